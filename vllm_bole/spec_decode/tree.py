@@ -1,0 +1,283 @@
+"""A batch of ragged draft trees as flat tensors.
+
+Conventions (used by every kernel, oracle and builder of the project):
+
+* Request ``r`` owns the flat node range ``cu_nodes[r] : cu_nodes[r + 1]`` (like vLLM's
+  ``cu_seqlens``). ``T = cu_nodes[-1]`` nodes in all.
+* Local node 0 of every request is its **root**: the last committed (bonus) token, which the
+  target has not processed yet. Its parent is ``-1``, meaning "attached to the committed
+  state" (recurrent state S0, conv state, KV prefix). A request with no draft nodes is a tree
+  of one node. The root is always accepted.
+* Nodes are stored in topological order: ``parent[i] < i`` (local indices). Depth of the root
+  is 0; a node at depth ``d`` is the ``d``-th draft token of its path and sits at sequence
+  position ``prefix_len + d`` (``prefix_len`` = tokens committed before the root).
+* Ancestor relation, two equivalent forms for kernels:
+    - ``path[i, d]`` (int32, ``[T, max_depth + 1]``): local index of the ancestor of ``i`` at
+      depth ``d`` for ``d <= depth[i]`` (``path[i, depth[i]] == i``), ``-1`` beyond.
+      ``j`` is an ancestor-or-self of ``i``  <=>  ``path[i, depth[j]] == j``.
+    - ``anc_mask[i, w]`` (int32 words, ``[T, ceil(max_nodes / 32)]``): bit ``j % 32`` of word
+      ``j // 32`` is set iff local node ``j`` is an ancestor-or-self of ``i``.
+
+Limits: depth <= ``MAX_DEPTH`` (64), nodes per request <= ``MAX_NODES`` (256).
+Construction is vectorised (a loop over depth levels, never over nodes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+MAX_DEPTH = 64
+MAX_NODES = 256
+
+
+class TreeError(ValueError):
+    """A tree batch that violates the conventions above; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    token_ids: torch.Tensor  # [T] int64
+    parent: torch.Tensor  # [T] int32, local index, -1 for the root
+    depth: torch.Tensor  # [T] int32
+    cu_nodes: torch.Tensor  # [B + 1] int32
+    path: torch.Tensor  # [T, max_depth + 1] int32
+    anc_mask: torch.Tensor  # [T, ceil(max_nodes / 32)] int32
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def num_requests(self) -> int:
+        return self.cu_nodes.numel() - 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.token_ids.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return self.path.shape[1] - 1
+
+    @property
+    def nodes_per_request(self) -> torch.Tensor:
+        """[B] int32: tree size of each request (root included)."""
+        return self.cu_nodes[1:] - self.cu_nodes[:-1]
+
+    @property
+    def request_index(self) -> torch.Tensor:
+        """[T] int64: the request each flat node belongs to."""
+        return torch.repeat_interleave(
+            torch.arange(self.num_requests, device=self.cu_nodes.device), self.nodes_per_request.long()
+        )
+
+    @property
+    def parent_flat(self) -> torch.Tensor:
+        """[T] int64: flat index of each node's parent, -1 for roots."""
+        start = self.cu_nodes[:-1].long()[self.request_index]
+        p = self.parent.long()
+        return torch.where(p >= 0, p + start, p)
+
+    @property
+    def path_flat(self) -> torch.Tensor:
+        """[T, max_depth + 1] int64: ``path`` in flat indices (-1 stays -1)."""
+        start = self.cu_nodes[:-1].long()[self.request_index][:, None]
+        p = self.path.long()
+        return torch.where(p >= 0, p + start, p)
+
+    def is_ancestor(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """Whether local node ``j`` is an ancestor-or-self of flat node ``i`` (via ``anc_mask``)."""
+        word = self.anc_mask[i, j // 32]
+        return ((word >> (j % 32)) & 1).bool()
+
+    def to(self, device) -> "TreeBatch":
+        return TreeBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def request(self, r: int) -> tuple[list[int], list[int]]:
+        """(parents, token_ids) of request ``r`` as Python lists (tests, debugging)."""
+        s, e = int(self.cu_nodes[r]), int(self.cu_nodes[r + 1])
+        return self.parent[s:e].tolist(), self.token_ids[s:e].tolist()
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_parents(
+        cls,
+        parents: Sequence[Sequence[int]],
+        token_ids: Sequence[Sequence[int]] | None = None,
+        *,
+        max_depth: int | None = None,
+        reorder: bool = False,
+    ) -> "TreeBatch":
+        """Build from per-request local parent arrays (``-1`` for the root).
+
+        ``reorder=False`` requires topological order (``parent[i] < i``, root at 0) and fails
+        otherwise. ``reorder=True`` accepts any order, detects cycles, and renumbers nodes in
+        breadth-first order (token ids move with their nodes); the root must still be unique.
+        ``max_depth`` pads ``path`` to a fixed width (default: the batch's deepest node).
+        """
+        if len(parents) == 0:
+            raise TreeError("parents: empty batch (need at least one request)")
+        if token_ids is None:
+            token_ids = [[0] * len(p) for p in parents]
+        if len(token_ids) != len(parents):
+            raise TreeError(f"token_ids: {len(token_ids)} requests but parents has {len(parents)}")
+        par, tok = [], []
+        for r, (p, t) in enumerate(zip(parents, token_ids)):
+            p = torch.as_tensor(list(p), dtype=torch.int64)
+            t = torch.as_tensor(list(t), dtype=torch.int64)
+            if p.numel() != t.numel():
+                raise TreeError(f"token_ids[{r}]: {t.numel()} tokens for {p.numel()} nodes")
+            if reorder:
+                p, t = _bfs_renumber(p, t, r)
+            par.append(p)
+            tok.append(t)
+        sizes = torch.tensor([p.numel() for p in par], dtype=torch.int64)
+        cu = torch.zeros(len(par) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(sizes, 0)
+        return cls._build(torch.cat(par), torch.cat(tok), cu, max_depth)
+
+    @classmethod
+    def from_flat(
+        cls, parent: torch.Tensor, token_ids: torch.Tensor, cu_nodes: torch.Tensor, *, max_depth: int | None = None
+    ) -> "TreeBatch":
+        """Build from flat tensors (local parents, topological order); validates everything."""
+        return cls._build(parent.long().cpu(), token_ids.long().cpu(), cu_nodes.long().cpu(), max_depth)
+
+    @classmethod
+    def from_token_paths(
+        cls,
+        root_tokens: Sequence[int],
+        branches: Sequence[Sequence[Sequence[int]]],
+        *,
+        max_depth: int | None = None,
+    ) -> "TreeBatch":
+        """Build from per-request lists of draft token sequences, merged into a prefix tree.
+
+        Request ``r`` has root token ``root_tokens[r]`` and draft branches ``branches[r]``
+        (each a token sequence continuing the root; shared prefixes become shared nodes; an
+        empty list of branches gives a root-only tree). Nodes are numbered in the order
+        branches first reach them, which is topological.
+        """
+        if len(root_tokens) != len(branches):
+            raise TreeError(f"branches: {len(branches)} requests but root_tokens has {len(root_tokens)}")
+        parents, tokens = [], []
+        for root, brs in zip(root_tokens, branches):
+            par, tok, child = [-1], [int(root)], {}
+            for br in brs:
+                node = 0
+                for x in br:
+                    key = (node, int(x))
+                    if key not in child:
+                        child[key] = len(par)
+                        par.append(node)
+                        tok.append(int(x))
+                    node = child[key]
+            parents.append(par)
+            tokens.append(tok)
+        return cls.from_parents(parents, tokens, max_depth=max_depth)
+
+    @classmethod
+    def _build(cls, parent: torch.Tensor, token_ids: torch.Tensor, cu: torch.Tensor, max_depth: int | None):
+        B = cu.numel() - 1
+        if B <= 0:
+            raise TreeError("cu_nodes: empty batch (need at least one request)")
+        sizes = cu[1:] - cu[:-1]
+        if cu[0] != 0 or (sizes < 0).any() or cu[-1] != parent.numel():
+            raise TreeError(f"cu_nodes: must start at 0, be non-decreasing and end at {parent.numel()}")
+        if token_ids.numel() != parent.numel():
+            raise TreeError(f"token_ids: {token_ids.numel()} tokens for {parent.numel()} nodes")
+        if (sizes == 0).any():
+            r = int(torch.nonzero(sizes == 0)[0])
+            raise TreeError(f"parents[{r}]: empty tree (every request needs its root node)")
+        if (sizes > MAX_NODES).any():
+            r = int(torch.nonzero(sizes > MAX_NODES)[0])
+            raise TreeError(f"parents[{r}]: {int(sizes[r])} nodes, over the limit of {MAX_NODES}")
+        req = torch.repeat_interleave(torch.arange(B), sizes)
+        local = torch.arange(parent.numel()) - cu[:-1][req]
+        is_root = local == 0
+        bad = torch.nonzero(is_root & (parent != -1))
+        if bad.numel():
+            i = int(bad[0])
+            raise TreeError(f"parents[{int(req[i])}][0]: the root must have parent -1, got {int(parent[i])}")
+        bad = torch.nonzero(~is_root & ((parent < 0) | (parent >= local)))
+        if bad.numel():
+            i = int(bad[0])
+            raise TreeError(
+                f"parents[{int(req[i])}][{int(local[i])}] = {int(parent[i])}: a parent must come before its child "
+                f"(0 <= parent < {int(local[i])}); nodes are in topological order with one root at index 0 "
+                "(from_parents(..., reorder=True) sorts an unordered tree)"
+            )
+        # Depth and ancestors by pointer jumping over flat indices: one step per level.
+        start = cu[:-1][req]
+        pflat = torch.where(parent >= 0, parent + start, torch.full_like(parent, -1))
+        depth = torch.zeros_like(parent)
+        anc = torch.arange(parent.numel())
+        ancestors = [anc]  # ancestors[k][i] = k-th ancestor of i (flat), -1 past the root
+        while True:
+            nxt = torch.where(anc >= 0, pflat[anc.clamp(min=0)], anc)
+            if (nxt < 0).all():
+                break
+            depth += (nxt >= 0).long()
+            ancestors.append(nxt)
+            anc = nxt
+            if len(ancestors) > MAX_DEPTH + 1:
+                break
+        dmax = int(depth.max())
+        if dmax > MAX_DEPTH:
+            i = int(torch.argmax(depth))
+            raise TreeError(f"parents[{int(req[i])}]: depth over the limit of {MAX_DEPTH}")
+        width = dmax if max_depth is None else int(max_depth)
+        if width < dmax or width > MAX_DEPTH:
+            raise TreeError(f"max_depth: {width} given, must be in [{dmax}, {MAX_DEPTH}] for this batch")
+        # path[i, depth[i] - k] = k-th ancestor of i.
+        T = parent.numel()
+        path = torch.full((T, width + 1), -1, dtype=torch.int64)
+        rows = torch.arange(T)
+        for k, a in enumerate(ancestors):
+            ok = a >= 0
+            path[rows[ok], (depth - k)[ok]] = a[ok] - start[ok]
+        words = (MAX_NODES + 31) // 32
+        bits = torch.zeros(T, words * 32, dtype=torch.bool)
+        ok = path >= 0
+        bits[rows[:, None].expand_as(path)[ok], path[ok]] = True
+        weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
+        packed = (bits.view(T, words, 32).long() * weights).sum(-1)
+        anc_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        return cls(
+            token_ids=token_ids.long(),
+            parent=parent.to(torch.int32),
+            depth=depth.to(torch.int32),
+            cu_nodes=cu.to(torch.int32),
+            path=path.to(torch.int32),
+            anc_mask=anc_mask,
+        )
+
+
+def _bfs_renumber(p: torch.Tensor, t: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Renumber one request's nodes in breadth-first order from its unique root."""
+    n = p.numel()
+    if n == 0:
+        raise TreeError(f"parents[{r}]: empty tree (every request needs its root node)")
+    roots = torch.nonzero(p == -1).flatten()
+    if roots.numel() != 1:
+        raise TreeError(f"parents[{r}]: exactly one root (parent -1) is required, found {roots.numel()}")
+    if ((p < -1) | (p >= n)).any():
+        i = int(torch.nonzero((p < -1) | (p >= n))[0])
+        raise TreeError(f"parents[{r}][{i}] = {int(p[i])}: out of range [-1, {n})")
+    order = [int(roots[0])]
+    frontier = roots
+    seen = torch.zeros(n, dtype=torch.bool)
+    seen[roots] = True
+    while frontier.numel():
+        children = torch.nonzero(torch.isin(p, frontier) & ~seen).flatten()
+        seen[children] = True
+        order += children.tolist()
+        frontier = children
+    if len(order) != n:
+        cyc = torch.nonzero(~seen).flatten().tolist()
+        raise TreeError(f"parents[{r}]: nodes {cyc[:8]} are not reachable from the root (cycle)")
+    order_t = torch.tensor(order)
+    new_index = torch.empty(n, dtype=torch.int64)
+    new_index[order_t] = torch.arange(n)
+    old_par = p[order_t]
+    new_par = torch.where(old_par >= 0, new_index[old_par.clamp(min=0)], old_par)
+    return new_par, t[order_t]
