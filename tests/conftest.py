@@ -1,0 +1,15 @@
+"""Suite-wide guards.
+
+Triton kernels are tested on every run: on CUDA natively, on CPU through Triton's interpreter,
+which must be enabled before triton is imported. A CPU run without TRITON_INTERPRET=1 would
+silently test nothing of the kernels, so it is refused here.
+"""
+import os
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise pytest.UsageError("no GPU: run the tests with TRITON_INTERPRET=1 (see README)")

@@ -1,0 +1,58 @@
+"""The vLLM entry point and the engine-agnostic core's independence from vLLM."""
+import importlib.metadata
+import pkgutil
+import re
+import subprocess
+import sys
+
+import pytest
+
+import vllm_bole
+from vllm_bole.plugin import check_vllm_version
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.name == "vllm_bole" and ep.value == "vllm_bole.plugin:register" for ep in eps)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.1"])
+def test_supported_versions(version):
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
+def test_unsupported_version_fails_clearly(version):
+    with pytest.raises(RuntimeError, match=rf"supports vLLM 0.32.x, 0.33.x; found vLLM {re.escape(version)}"):
+        check_vllm_version(version)
+
+
+def test_vllm_loads_plugin_once_per_process():
+    code = (
+        "import vllm_bole.plugin as p\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "calls = []\n"
+        "orig = p.check_vllm_version\n"
+        "p.check_vllm_version = lambda v: (calls.append(v), orig(v))\n"
+        "load_general_plugins(); load_general_plugins(); p.register()\n"
+        "assert p._registered and len(calls) == 1, calls\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_core_imports_without_vllm():
+    """Every core module (all but the plugin adapter) imports with vllm made unimportable."""
+    core = [m.name for m in pkgutil.walk_packages(vllm_bole.__path__, "vllm_bole.") if m.name != "vllm_bole.plugin"]
+    core += ["csrc_triton"] + [m.name for m in pkgutil.walk_packages(__import__("csrc_triton").__path__, "csrc_triton.")]
+    code = (
+        "import sys, importlib\n"
+        "sys.modules['vllm'] = None\n"
+        f"for m in {core!r}:\n"
+        "    importlib.import_module(m)\n"
+        "assert sys.modules['vllm'] is None\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
