@@ -1,0 +1,143 @@
+"""GDN tree verification and accepted-path commit against the float64 sequential oracle.
+
+Both implementations (torch twin; Triton kernel, through the interpreter on CPU) run on every
+standard tree family, with GQA, fresh random inputs per case, and poisoned outputs/states.
+fp32 tolerance: 1e-4 relative (interpreter dots are exact fp32; the torch twin solves exactly).
+"""
+import pytest
+import torch
+
+from vllm_bole.mamba.gdn_tree import PendingPath, gdn_commit_pending, gdn_tree_step, stash_accepted_path
+from vllm_bole.testing.oracles import gdn_tree_reference, make_tree_shape, random_tree_batch, tree_shapes
+
+IMPLS = ["torch", "triton"]
+Hk, Hv, K, V = 2, 4, 16, 32
+
+
+def _inputs(T, gen, dtype=torch.float32):
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(T, Hk, K), r(T, Hk, K), r(T, Hv, V)
+    g = -torch.rand(T, Hv, generator=gen, dtype=torch.float64) * 0.5  # log decay in (-0.5, 0]
+    beta = torch.rand(T, Hv, generator=gen, dtype=torch.float64)
+    return [x.to(dtype) for x in (q, k, v, g, beta)]
+
+
+def _state_cache(num_slots, gen, layout):
+    """A poisoned-free random fp32 cache; 'vk' is vLLM's [S, Hv, V, K] viewed as [S, Hv, K, V]."""
+    s = torch.randn(num_slots, Hv, K, V, generator=gen)
+    if layout == "vk":
+        return s.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return s
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def _path_nodes(tree, r, leaf_local):
+    p, _ = tree.request(r)
+    out, i = [], leaf_local
+    while i >= 0:
+        out.append(i)
+        i = p[i]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", tree_shapes())
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_verify_matches_oracle(impl, shape, layout):
+    gen = torch.Generator().manual_seed(hash((impl, shape, layout)) % 2**31)
+    tree = make_tree_shape(shape, seed=int(torch.randint(1000, (1,), generator=gen)))
+    B, T = tree.num_requests, tree.num_nodes
+    q, k, v, g, beta = _inputs(T, gen)
+    cache = _state_cache(B + 3, gen, layout)
+    slots = torch.randperm(B + 3, generator=gen)[:B].to(torch.int32)
+    before = cache.clone()
+    o_ref, _ = gdn_tree_reference(tree, q, k, v, g, beta, cache[slots.long()])
+    o = gdn_tree_step(q, k, v, g, beta, tree, cache, slots, impl=impl)
+    assert o.shape == (T, Hv, V) and torch.isfinite(o).all()
+    assert _rel(o, o_ref) < 1e-4
+    assert torch.equal(cache, before), "verification alone must not write the state"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", ["chains_batch", "deep16", "ragged", "random"])
+def test_step_commits_previous_path_then_verifies(impl, shape):
+    """Two steps: verify tree 1, accept a random root-to-node path per request, then the fused
+    step commits it and verifies tree 2; compare outputs and the final states with the oracle."""
+    gen = torch.Generator().manual_seed(hash((impl, shape, "step")) % 2**31)
+    tree1 = make_tree_shape(shape, seed=int(torch.randint(1000, (1,), generator=gen)))
+    B = tree1.num_requests
+    S_total = B + 2
+    cache = _state_cache(S_total, gen, "kv")
+    slots = torch.randperm(S_total, generator=gen)[:B].to(torch.int32)
+    untouched = [s for s in range(S_total) if s not in slots.tolist()]
+    q, k, v, g, beta = _inputs(tree1.num_nodes, gen)
+    pending = PendingPath.empty(S_total, 17, Hk, Hv, K, V, dtype=torch.float32)
+    pending.k.fill_(float("nan"))  # rows past each path's length must never be read
+    S0 = cache[slots.long()].clone()
+    _, st_ref = gdn_tree_reference(tree1, q, k, v, g, beta, S0)
+    gdn_tree_step(q, k, v, g, beta, tree1, cache, slots, pending, impl=impl)
+    # accept a random node of each request (its whole root path)
+    accepted = torch.full((B, 17), -1, dtype=torch.int64)
+    expect = []
+    for r in range(B):
+        n = int(tree1.nodes_per_request[r])
+        leaf = int(torch.randint(n, (1,), generator=gen))
+        path = _path_nodes(tree1, r, leaf)
+        accepted[r, : len(path)] = torch.tensor(path)
+        expect.append(st_ref[int(tree1.cu_nodes[r]) + leaf])
+    stash_accepted_path(pending, slots, tree1, accepted, k, v, g, beta)
+    assert pending.length[slots.long()].tolist() == (accepted >= 0).sum(1).tolist()
+    S1 = torch.stack(expect)
+    # step 2 on a new tree: commit + verify in one call
+    tree2 = random_tree_batch([int(torch.randint(1, 20, (1,), generator=gen)) for _ in range(B)], generator=gen)
+    q2, k2, v2, g2, beta2 = _inputs(tree2.num_nodes, gen)
+    before_untouched = cache[untouched].clone()
+    o2 = gdn_tree_step(q2, k2, v2, g2, beta2, tree2, cache, slots, pending, impl=impl)
+    o2_ref, _ = gdn_tree_reference(tree2, q2, k2, v2, g2, beta2, S1)
+    assert _rel(cache[slots.long()], S1) < 1e-4
+    assert _rel(o2, o2_ref) < 1e-4
+    assert torch.equal(cache[untouched], before_untouched), "slots of other requests must stay bit-identical"
+    assert (pending.length[slots.long()] == 0).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit_alone_and_zero_length_paths(impl):
+    gen = torch.Generator().manual_seed(7)
+    S_total, P = 5, 8
+    cache = _state_cache(S_total, gen, "vk")
+    pending = PendingPath.empty(S_total, P, Hk, Hv, K, V, dtype=torch.float32)
+    lengths = [0, 1, 8, 3]
+    slots = torch.tensor([4, 0, 2, 1], dtype=torch.int32)
+    q, k, v, g, beta = _inputs(P, gen)
+    expect = cache.clone()
+    for s, m in zip(slots.tolist(), lengths):
+        pending.k[s, :m], pending.v[s, :m], pending.g[s, :m], pending.beta[s, :m] = k[:m], v[:m], g[:m], beta[:m]
+        pending.length[s] = m
+        if m:
+            chain = random_tree_batch([m], kind="chain")
+            _, st = gdn_tree_reference(chain, k[:m], k[:m], v[:m], g[:m], beta[:m], cache[s : s + 1])
+            expect[s] = st[-1]
+    before = cache.clone()
+    gdn_commit_pending(cache, slots, pending, impl=impl)
+    assert _rel(cache, expect) < 1e-4
+    assert torch.equal(cache[4], before[4]) and torch.equal(cache[3], before[3]), "length-0 / unused slots untouched"
+    assert (pending.length == 0).all()
+
+
+def test_torch_closed_form_is_exact_in_float64():
+    """The closed form itself (not a tolerance artefact): float64 twin vs oracle at 1e-10."""
+    gen = torch.Generator().manual_seed(3)
+    tree = make_tree_shape("ragged", seed=5)
+    q, k, v, g, beta = _inputs(tree.num_nodes, gen, torch.float64)
+    cache = torch.randn(tree.num_requests, Hv, K, V, generator=gen, dtype=torch.float64)
+    o = gdn_tree_step(q, k, v, g, beta, tree, cache, torch.arange(tree.num_requests), impl="torch")
+    o_ref, _ = gdn_tree_reference(tree, q, k, v, g, beta, cache)
+    assert _rel(o, o_ref) < 1e-10
+
+
+def test_bad_impl_is_rejected():
+    with pytest.raises(ValueError, match="impl: 'cuda' is not one of"):
+        gdn_tree_step(None, None, None, None, None, None, torch.zeros(1, 1, 1, 1), torch.zeros(1), impl="cuda")

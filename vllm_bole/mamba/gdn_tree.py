@@ -1,0 +1,177 @@
+"""Gated DeltaNet tree verification and accepted-path commit (engine-agnostic).
+
+Layouts (T flat tree nodes, B requests, S state slots):
+  q, k        [T, Hk, K]   (raw; L2-normalised inside when ``use_qk_l2norm``)
+  v           [T, Hv, V]   value head h uses key head h // (Hv // Hk) (Qwen3-Next GQA)
+  g, beta     [T, Hv]      log decay and write strength (see ``vllm_bole.testing.oracles.gdn_gating``)
+  state       [S, Hv, K, V] fp32, any strides: FLA's layout as is, vLLM's [S, Hv, V, K] cache as
+              ``cache.transpose(-1, -2)``; request b owns slot ``state_idx[b]`` (distinct slots)
+  o           [T, Hv, V]   in v's dtype
+
+Factors and commit. A verify pass writes no per-node state. After sampling,
+``stash_accepted_path`` copies the accepted path's own inputs (k, v, g, beta of the root and the
+accepted draft nodes: at most depth + 1 tokens, in their input dtype) into a per-slot
+``PendingPath``. The next ``gdn_tree_step`` of that slot first rebuilds the state after those
+tokens from the committed state (the chain closed form), writes it in place, and verifies the
+new tree from it while it is still on chip: per step the state is read once and written once.
+``gdn_commit_pending`` applies a pending path alone (request finishing, preemption, prefill
+reuse). Keeping inputs rather than (k, d, log gamma) factors costs fewer bytes and no extra
+write in the verify pass; the commit recomputes the short path (<= depth + 1 tokens).
+
+``impl``: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the CPU path and the
+kernel's twin), "auto" (triton on CUDA tensors, torch otherwise).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_bole.spec_decode.tree import TreeBatch
+
+
+@dataclass
+class PendingPath:
+    """Per-slot accepted paths awaiting commit: the tokens' own GDN inputs."""
+
+    k: torch.Tensor  # [S, P, Hk, K]
+    v: torch.Tensor  # [S, P, Hv, V]
+    g: torch.Tensor  # [S, P, Hv] fp32
+    beta: torch.Tensor  # [S, P, Hv] fp32
+    length: torch.Tensor  # [S] int32, 0 = nothing pending
+
+    @classmethod
+    def empty(cls, num_slots, max_len, Hk, Hv, K, V, dtype=torch.bfloat16, device="cpu") -> "PendingPath":
+        z = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        return cls(
+            k=z(num_slots, max_len, Hk, K),
+            v=z(num_slots, max_len, Hv, V),
+            g=z(num_slots, max_len, Hv, dt=torch.float32),
+            beta=z(num_slots, max_len, Hv, dt=torch.float32),
+            length=torch.zeros(num_slots, dtype=torch.int32, device=device),
+        )
+
+
+def _use_triton(impl: str, x: torch.Tensor) -> bool:
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl: {impl!r} is not one of 'auto', 'torch', 'triton'")
+    return impl == "triton" or (impl == "auto" and x.is_cuda)
+
+
+def gdn_tree_step(
+    q, k, v, g, beta, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
+    *, scale: float | None = None, use_qk_l2norm: bool = True, impl: str = "auto",
+):
+    """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
+
+    Returns o [T, Hv, V] (None when ``tree`` is None: commit only). Pending lengths of the
+    touched slots are reset to 0.
+    """
+    K = state.shape[2]
+    scale = K**-0.5 if scale is None else scale
+    if _use_triton(impl, state):
+        from csrc_triton.gdn_tree import gdn_tree_step as launch
+
+        o = launch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm)
+    else:
+        o = _step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm)
+    if pending is not None:
+        pending.length[state_idx.long()] = 0
+    return o
+
+
+def gdn_commit_pending(state, state_idx, pending: PendingPath, *, use_qk_l2norm=True, impl="auto"):
+    """Apply each slot's pending accepted path to its state in place (no verification)."""
+    gdn_tree_step(None, None, None, None, None, None, state, state_idx, pending, use_qk_l2norm=use_qk_l2norm, impl=impl)
+
+
+def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, k, v, g, beta):
+    """Copy the accepted nodes' inputs into ``pending`` at the requests' slots.
+
+    accepted: [B, L] local node indices of each request's accepted path, root first, padded
+    with -1 (verification's output). Inputs are the step's tree inputs, as given to
+    ``gdn_tree_step``. L must not exceed the pending buffer's length.
+    """
+    B, L = accepted.shape
+    if L > pending.k.shape[1]:
+        raise ValueError(f"accepted: paths of up to {L} nodes, pending buffer holds {pending.k.shape[1]}")
+    valid = accepted >= 0
+    flat = (accepted.long() + tree.cu_nodes[:-1, None].long()).clamp(min=0)
+    flat = torch.where(valid, flat, torch.zeros_like(flat))
+    slots = state_idx.long()
+    for buf, x in ((pending.k, k), (pending.v, v), (pending.g, g), (pending.beta, beta)):
+        rows = x[flat]  # [B, L, ...]
+        rows = torch.where(valid.view(B, L, *([1] * (rows.dim() - 2))), rows, torch.zeros_like(rows))
+        buf[slots, :L] = rows.to(buf.dtype)
+    pending.length[slots] = valid.sum(1).to(torch.int32)
+
+
+# ---------------------------------------------------------------------- torch twin
+def closed_form(S, q, k, v, g, beta, M, scale):
+    """The ancestor-masked closed form, batched and padded.
+
+    S [B, H, K, V]; q, k [B, H, N, K] (normalised, GQA-expanded); v [B, H, N, V]; g, beta
+    [B, H, N]; M [B, N, N] bool ancestor-or-self mask (padding rows/cols all False, padded
+    inputs zero). Returns (o [B, H, N, V], d [B, H, N, V], G [B, H, N]), all in S's dtype.
+    """
+    M = M[:, None]
+    G = torch.where(M, g[..., None, :], 0).sum(-1)
+    E = torch.exp(torch.where(M, G[..., :, None] - G[..., None, :], float("-inf")))
+    eye = torch.eye(M.shape[-1], dtype=torch.bool, device=M.device)
+    A = torch.where(M & ~eye, E * beta[..., :, None] * (k @ k.transpose(-1, -2)), 0)
+    U = beta[..., None] * (v - torch.exp(G)[..., None] * (k @ S))
+    I = torch.eye(M.shape[-1], dtype=S.dtype, device=S.device)
+    d = torch.linalg.solve_triangular(I + A, U, upper=False, unitriangular=True)
+    o = scale * (torch.exp(G)[..., None] * (q @ S) + (E * (q @ k.transpose(-1, -2))) @ d)
+    return o, d, G
+
+
+def _prep_qk(x, Hv, use_qk_l2norm, dtype):
+    x = x.to(dtype)
+    if use_qk_l2norm:
+        x = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    return x.repeat_interleave(Hv // x.shape[-2], dim=-2)
+
+
+def _step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm):
+    Hv = state.shape[1]
+    dt = torch.float64 if state.dtype == torch.float64 else torch.float32
+    slots = state_idx.long()
+    if pending is not None:
+        m = pending.length[slots].long()
+        P = pending.k.shape[1]
+        live = m > 0
+        if live.any():
+            sl = slots[live]
+            pos = torch.arange(P, device=m.device)
+            valid = pos[None, :] < m[live, None]  # [b, P]
+            Mc = (pos[None, :, None] >= pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
+            kp = _prep_qk(pending.k[sl], Hv, use_qk_l2norm, dt).transpose(1, 2)
+            vp = pending.v[sl].to(dt).transpose(1, 2)
+            gp, bp = pending.g[sl].to(dt).transpose(1, 2), pending.beta[sl].to(dt).transpose(1, 2)
+            S = state[sl].to(dt)
+            _, d, G = closed_form(S, kp, kp, vp, gp, bp, Mc, 1.0)
+            last = (m[live] - 1)[:, None, None]
+            Gm = G.gather(-1, last.expand(-1, Hv, 1))  # [b, H, 1]
+            w = torch.where(valid[:, None, :], torch.exp(Gm - G), 0)
+            S = torch.exp(Gm)[..., None] * S + (kp * w[..., None]).transpose(-1, -2) @ d
+            state[sl] = S.to(state.dtype)
+    if tree is None:
+        return None
+    B, N = tree.num_requests, int(tree.nodes_per_request.max())
+    cu = tree.cu_nodes.long()
+    pos = torch.arange(N, device=cu.device)
+    valid = pos[None, :] < (cu[1:] - cu[:-1])[:, None]
+    idx = torch.where(valid, cu[:-1, None] + pos[None, :], torch.zeros_like(pos)[None, :])  # [B, N]
+    path = tree.path.long()[idx]  # [B, N, D + 1]
+    dep = tree.depth.long()[idx]  # [B, N]
+    M = (path.gather(2, dep[:, None, :].expand(B, N, N)) == pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
+
+    def pad(x):  # [T, H, X] -> [B, H, N, X] (or [T, H] -> [B, H, N]), zeros in padding
+        y = x[idx].to(dt)
+        y = torch.where(valid.view(B, N, *([1] * (y.dim() - 2))), y, torch.zeros_like(y))
+        return y.transpose(1, 2)
+
+    qb, kb = pad(_prep_qk(q, Hv, use_qk_l2norm, dt)), pad(_prep_qk(k, Hv, use_qk_l2norm, dt))
+    o, _, _ = closed_form(state[slots].to(dt), qb, kb, pad(v), pad(g), pad(beta), M, scale)
+    return o.transpose(1, 2)[valid].to(v.dtype)
