@@ -2,8 +2,13 @@
 
 - ``device_ceilings()`` measures this GPU's copy bandwidth (device-to-device copy, bytes read +
   written) and dense bf16 matmul rate (8192^3, random data): the floors are computed from these.
-- ``bench_ms(fn)`` is the median of ``triton.testing.do_bench`` (events, warm-up, L2 flushed
-  between runs), in milliseconds.
+- ``bench_ms(fn)`` is the median time of ``fn`` in milliseconds, replayed from a CUDA graph
+  (``triton.testing.do_bench_cudagraph``) so that host launch overhead is out of the numbers for
+  every method alike; ``graph=False`` uses ``do_bench`` (events, L2 flushed between runs). ``bench_graph_ms(fn)`` captures one call of ``fn`` in a CUDA
+  graph first and times its replays the same way (no launch gaps; ``fn`` must be capturable:
+  no host syncs, autotuning done by the warm-up calls).
+- ``roofline_floor_ms(nbytes, flops, ceilings)``: max(bytes / copy bandwidth, flops / matmul
+  rate) in ms, and which term binds.
 - ``write_results(name, rows, extra)`` writes ``$OUT/<name>`` on the device machine, else
   ``benchmarks/results/<name>``, with device, torch, triton and the git commit at top level.
 """
@@ -17,19 +22,45 @@ import torch
 import triton
 
 
-def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+def bench_ms(fn, warmup: int = 25, rep: int = 100, graph: bool = True) -> float:
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bench_graph_ms(fn, warmup: int = 25, rep: int = 100, warmup_calls: int = 2) -> float:
+    for _ in range(warmup_calls):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm the side stream too (allocator, lazy handles)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    ms = bench_ms(graph.replay, warmup=warmup, rep=rep)
+    del graph
+    return ms
+
+
+def roofline_floor_ms(nbytes: float, flops: float, ceilings: dict) -> tuple[float, str]:
+    t_mem = nbytes / ceilings["copy_bytes_per_s"] * 1e3
+    t_math = flops / ceilings["bf16_flops_per_s"] * 1e3
+    return (t_mem, "memory") if t_mem >= t_math else (t_math, "compute")
 
 
 def device_ceilings() -> dict:
     n = 1 << 29  # 2 GiB of fp32 per buffer
     src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)
-    copy_ms = bench_ms(lambda: dst.copy_(src))
+    copy_ms = bench_ms(lambda: dst.copy_(src), graph=False)
     del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = bench_ms(lambda: a @ b)
+    mm_ms = bench_ms(lambda: a @ b, graph=False)
     del a, b
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": 2 * n * 4 / (copy_ms * 1e-3), "bf16_flops_per_s": 2 * 8192**3 / (mm_ms * 1e-3)}

@@ -1,8 +1,8 @@
 """Gated DeltaNet tree verification with the pending-path commit folded in (Triton).
 
-One program per (request, value head). It loads the request's committed state S (fp32,
-[K, V] addressed through strides, so FLA's [K, V] and vLLM's [V, K] slot layouts both work)
-tile by tile along V and, per tile:
+One program per (request, value head, V tile of BV columns). It loads its tile of the request's
+committed state S (fp32, [K, BV] addressed through strides, so FLA's [K, V] and vLLM's [V, K]
+slot layouts both work) and:
 
 1. commit (``HAS_PENDING``): if the slot holds a pending accepted path of m > 0 tokens (their own
    inputs k, v, g, beta from the previous step), rebuild S <- S after those m tokens with the
@@ -17,22 +17,36 @@ tile by tile along V and, per tile:
    No per-node K x V state is formed. (I + A)^{-1} is the Neumann series of the nilpotent A
    (A^{depth+1} = 0), evaluated by repeated squaring: (I - A)(I + A^2)(I + A^4)...
 
-The per-request / per-head quantities (G, A, its inverse, the masked q.k matrix) are computed
-once per program before the V loop. The plain-torch twin is ``vllm_bole.mamba.gdn_tree``.
+The per-(request, head) quantities (G, A, its inverse, the masked q.k matrix) are recomputed by
+each V tile's program: that buys V / BV times more parallel programs for a few small matmuls.
+Precision: dots take bf16 operands with fp32 accumulation when the inputs are 16-bit (FLA's chunk
+kernels do the same, the state tile included) or the tree has over 64 nodes; fp32 (tf32 on
+tensor cores) otherwise. The triangular inverse stays fp32 up to 64 nodes. The plain-torch twin is ``vllm_bole.mamba.gdn_tree``.
 """
+import os
+
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr, steps):
+def _mm(a, b, LOWP: tl.constexpr):
+    """a @ b with fp32 accumulation; bf16 operands when LOWP (trees over 64 nodes: the fp32
+    operand tiles would not fit in shared memory; this is FLA chunk kernels' precision)."""
+    if LOWP:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr, steps, LOWP: tl.constexpr):
     """(I + A)^{-1} for a strictly lower nilpotent A [BT, BT] with A^(2^(steps+1)) = 0."""
     o = tl.arange(0, BT)
     T = (o[:, None] == o[None, :]).to(tl.float32) - A
     P = A
     for _ in range(steps):
-        P = tl.dot(P, P)
-        T = T + tl.dot(T, P)
+        P = _mm(P, P, LOWP)
+        T = T + _mm(T, P, LOWP)
     return T
 
 
@@ -55,7 +69,7 @@ def gdn_tree_step_kernel(
     scale,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, DP: tl.constexpr, MW: tl.constexpr, STEPS_P: tl.constexpr,
-    HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, USE_L2NORM: tl.constexpr,
+    HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, USE_L2NORM: tl.constexpr, LOWP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // Hv
@@ -80,7 +94,7 @@ def gdn_tree_step_kernel(
         Ep = tl.exp(tl.where(Mp, Gp[:, None] - Gp[None, :], float("-inf")))
         strict_p = Mp & (o_p[:, None] != o_p[None, :])
         Ap = tl.where(strict_p, Ep * bp[:, None] * tl.dot(kp, tl.trans(kp)), 0.0)
-        Tp = _unit_lower_inverse(Ap, DP, STEPS_P)
+        Tp = _unit_lower_inverse(Ap, DP, STEPS_P, False)
         kpw = kp * tl.where(pm, tl.exp(Gm - Gp), 0.0)[:, None]
         eGp = tl.exp(Gp)
         decay_m = tl.exp(Gm)
@@ -100,27 +114,27 @@ def gdn_tree_step_kernel(
         G = tl.sum(tl.where(M, gt[None, :], 0.0), axis=1)
         E = tl.exp(tl.where(M, G[:, None] - G[None, :], float("-inf")))
         strict = M & (o_t[:, None] != o_t[None, :])
-        A = tl.where(strict, E * bt[:, None] * tl.dot(kt, tl.trans(kt)), 0.0)
-        T = _unit_lower_inverse(A, BT, tree_steps)
-        QK = E * tl.dot(qt, tl.trans(kt))
+        A = tl.where(strict, E * bt[:, None] * _mm(kt, tl.trans(kt), LOWP), 0.0)
+        T = _unit_lower_inverse(A, BT, tree_steps, BT >= 128)
+        QK = E * _mm(qt, tl.trans(kt), LOWP)
         eG = tl.exp(G)
 
-    for v0 in range(0, V, BV):
-        s_ptr = s_base + o_k[:, None] * s_k + (v0 + o_v)[None, :] * s_v
-        S = tl.load(s_ptr)
-        if HAS_PENDING:
-            if m > 0:
-                vp = tl.load(pv + (prow[:, None] * Hv + h) * V + v0 + o_v[None, :], mask=pm[:, None], other=0.0)
-                Up = bp[:, None] * (vp.to(tl.float32) - eGp[:, None] * tl.dot(kp, S))
-                dp = tl.dot(Tp, Up)
-                S = decay_m * S + tl.dot(tl.trans(kpw), dp)
-                tl.store(s_ptr, S)
-        if HAS_TREE:
-            vt = tl.load(v + (rows[:, None] * Hv + h) * V + v0 + o_v[None, :], mask=tm[:, None], other=0.0)
-            U = bt[:, None] * (vt.to(tl.float32) - eG[:, None] * tl.dot(kt, S))
-            d = tl.dot(T, U)
-            out = scale * (eG[:, None] * tl.dot(qt, S) + tl.dot(QK, d))
-            tl.store(o + (rows[:, None] * Hv + h) * V + v0 + o_v[None, :], out.to(o.dtype.element_ty), mask=tm[:, None])
+    v0 = tl.program_id(1) * BV
+    s_ptr = s_base + o_k[:, None] * s_k + (v0 + o_v)[None, :] * s_v
+    S = tl.load(s_ptr)
+    if HAS_PENDING:
+        if m > 0:
+            vp = tl.load(pv + (prow[:, None] * Hv + h) * V + v0 + o_v[None, :], mask=pm[:, None], other=0.0)
+            Up = bp[:, None] * (vp.to(tl.float32) - eGp[:, None] * tl.dot(kp, S))
+            dp = tl.dot(Tp, Up)
+            S = decay_m * S + tl.dot(tl.trans(kpw), dp)
+            tl.store(s_ptr, S)
+    if HAS_TREE:
+        vt = tl.load(v + (rows[:, None] * Hv + h) * V + v0 + o_v[None, :], mask=tm[:, None], other=0.0)
+        U = bt[:, None] * (vt.to(tl.float32) - eG[:, None] * _mm(kt, S, LOWP))
+        d = _mm(T, U, LOWP)
+        out = scale * (eG[:, None] * _mm(qt, S, LOWP) + _mm(QK, d, LOWP))
+        tl.store(o + (rows[:, None] * Hv + h) * V + v0 + o_v[None, :], out.to(o.dtype.element_ty), mask=tm[:, None])
 
 
 def _squarings(max_path_len: int) -> int:
@@ -128,7 +142,7 @@ def _squarings(max_path_len: int) -> int:
     return max(int(max_path_len - 1).bit_length() - 1, 0)
 
 
-def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, *, block_v=32, num_warps=8):
+def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, *, block_v=32, num_warps=4, num_stages=1):
     """Launch ``gdn_tree_step_kernel``; arguments as ``vllm_bole.mamba.gdn_tree.gdn_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
@@ -141,8 +155,7 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
     if tree is not None:
         Hk = k.shape[1]
         T = q.shape[0]
-        max_n = int(tree.nodes_per_request.max())
-        BT = max(16, triton.next_power_of_2(max_n))
+        BT = max(16, triton.next_power_of_2(tree.max_nodes))
         o = torch.empty(T, Hv, V, dtype=v.dtype, device=v.device)
         tree_args = (q, k, v, g, beta, o, tree.cu_nodes, tree.anc_mask, _squarings(tree.max_depth + 1))
         MW = tree.anc_mask.shape[1]
@@ -158,13 +171,55 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
     else:
         DP = 16
         pend_args = (state, state, state, state, state_idx, 0)
-    gdn_tree_step_kernel[(B * Hv,)](
+    BV = min(block_v, V)
+    lowp = BT >= 128 or (tree is not None and v.element_size() == 2)
+    kernel = gdn_tree_step_kernel[(B * Hv, V // BV)](
         *tree_args,
         state, state_idx, *state.stride(),
         *pend_args,
         scale,
-        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=min(block_v, V), DP=DP, MW=MW, STEPS_P=_squarings(P if pending is not None else 1),
-        HAS_TREE=tree is not None, HAS_PENDING=pending is not None, USE_L2NORM=use_qk_l2norm,
-        num_warps=num_warps,
+        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV, DP=DP, MW=MW, STEPS_P=_squarings(P if pending is not None else 1),
+        HAS_TREE=tree is not None, HAS_PENDING=pending is not None, USE_L2NORM=use_qk_l2norm, LOWP=lowp,
+        num_warps=num_warps if BT < 128 else 8, num_stages=num_stages,
     )
+    if os.environ.get("BOLE_KERNEL_STATS"):
+        print(f"gdn_tree_step_kernel BT={BT} DP={DP}: regs {kernel.n_regs} spills {kernel.n_spills} smem {kernel.metadata.shared}")
     return o
+
+
+@triton.jit
+def stash_kernel(k, v, g, beta, pk, pv, pg, pbeta, plen, accepted, cu_nodes, state_idx, L, P,
+                 HKK: tl.constexpr, HVV: tl.constexpr, Hv: tl.constexpr,
+                 B_HKK: tl.constexpr, B_HVV: tl.constexpr, B_HV: tl.constexpr, B_L: tl.constexpr):
+    """Program (request b, path position j): copy node accepted[b, j]'s inputs into the slot."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    slot = tl.load(state_idx + b).to(tl.int64)
+    node = tl.load(accepted + b * L + j)
+    if j == 0:
+        o_l = tl.arange(0, B_L)
+        acc = tl.load(accepted + b * L + o_l, mask=o_l < L, other=-1)
+        tl.store(plen + slot, tl.sum((acc >= 0).to(tl.int32), axis=0))
+    if node >= 0:
+        row = (tl.load(cu_nodes + b) + node).to(tl.int64)
+        dst = slot * P + j
+        o1 = tl.arange(0, B_HKK)
+        tl.store(pk + dst * HKK + o1, tl.load(k + row * HKK + o1, mask=o1 < HKK), mask=o1 < HKK)
+        o2 = tl.arange(0, B_HVV)
+        tl.store(pv + dst * HVV + o2, tl.load(v + row * HVV + o2, mask=o2 < HVV), mask=o2 < HVV)
+        o3 = tl.arange(0, B_HV)
+        tl.store(pg + dst * Hv + o3, tl.load(g + row * Hv + o3, mask=o3 < Hv), mask=o3 < Hv)
+        tl.store(pbeta + dst * Hv + o3, tl.load(beta + row * Hv + o3, mask=o3 < Hv), mask=o3 < Hv)
+
+
+def stash_accepted_path(pending, state_idx, tree, accepted, k, v, g, beta):
+    """Launch ``stash_kernel``; arguments as ``vllm_bole.mamba.gdn_tree.stash_accepted_path``
+    (inputs contiguous and in the pending buffers' dtypes)."""
+    B, L = accepted.shape
+    HKK, HVV, Hv = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2], v.shape[1]
+    np2 = triton.next_power_of_2
+    stash_kernel[(B, L)](
+        k, v, g, beta, pending.k, pending.v, pending.g, pending.beta, pending.length, accepted,
+        tree.cu_nodes, state_idx, L, pending.k.shape[1],
+        HKK=HKK, HVV=HVV, Hv=Hv, B_HKK=np2(HKK), B_HVV=np2(HVV), B_HV=np2(Hv), B_L=np2(L),
+    )

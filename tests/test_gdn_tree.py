@@ -88,7 +88,7 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
         path = _path_nodes(tree1, r, leaf)
         accepted[r, : len(path)] = torch.tensor(path)
         expect.append(st_ref[int(tree1.cu_nodes[r]) + leaf])
-    stash_accepted_path(pending, slots, tree1, accepted, k, v, g, beta)
+    stash_accepted_path(pending, slots, tree1, accepted, k, v, g, beta, impl=impl)
     assert pending.length[slots.long()].tolist() == (accepted >= 0).sum(1).tolist()
     S1 = torch.stack(expect)
     # step 2 on a new tree: commit + verify in one call

@@ -85,25 +85,29 @@ def gdn_commit_pending(state, state_idx, pending: PendingPath, *, use_qk_l2norm=
     gdn_tree_step(None, None, None, None, None, None, state, state_idx, pending, use_qk_l2norm=use_qk_l2norm, impl=impl)
 
 
-def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, k, v, g, beta):
+def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, k, v, g, beta, *, impl="auto"):
     """Copy the accepted nodes' inputs into ``pending`` at the requests' slots.
 
     accepted: [B, L] local node indices of each request's accepted path, root first, padded
     with -1 (verification's output). Inputs are the step's tree inputs, as given to
-    ``gdn_tree_step``. L must not exceed the pending buffer's length.
+    ``gdn_tree_step``. L must not exceed the pending buffer's length. Rows past a path's length
+    keep stale values: every reader masks them by ``pending.length``.
     """
     B, L = accepted.shape
     if L > pending.k.shape[1]:
         raise ValueError(f"accepted: paths of up to {L} nodes, pending buffer holds {pending.k.shape[1]}")
+    if _use_triton(impl, pending.k):
+        from csrc_triton.gdn_tree import stash_accepted_path as launch
+
+        cast = [x.to(buf.dtype).contiguous() for x, buf in ((k, pending.k), (v, pending.v), (g, pending.g), (beta, pending.beta))]
+        return launch(pending, state_idx, tree, accepted.contiguous(), *cast)
     valid = accepted >= 0
-    flat = (accepted.long() + tree.cu_nodes[:-1, None].long()).clamp(min=0)
-    flat = torch.where(valid, flat, torch.zeros_like(flat))
-    slots = state_idx.long()
+    flat = torch.where(valid, accepted.long() + tree.cu_nodes[:-1, None].long(), 0)
+    slot_rows = state_idx.long()[:, None].expand(B, L)[valid]
+    pos = torch.arange(L, device=accepted.device)[None, :].expand(B, L)[valid]
     for buf, x in ((pending.k, k), (pending.v, v), (pending.g, g), (pending.beta, beta)):
-        rows = x[flat]  # [B, L, ...]
-        rows = torch.where(valid.view(B, L, *([1] * (rows.dim() - 2))), rows, torch.zeros_like(rows))
-        buf[slots, :L] = rows.to(buf.dtype)
-    pending.length[slots] = valid.sum(1).to(torch.int32)
+        buf[slot_rows, pos] = x[flat[valid]].to(buf.dtype)
+    pending.length[state_idx.long()] = valid.sum(1).to(torch.int32)
 
 
 # ---------------------------------------------------------------------- torch twin
@@ -146,9 +150,11 @@ def _step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk
             pos = torch.arange(P, device=m.device)
             valid = pos[None, :] < m[live, None]  # [b, P]
             Mc = (pos[None, :, None] >= pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
-            kp = _prep_qk(pending.k[sl], Hv, use_qk_l2norm, dt).transpose(1, 2)
-            vp = pending.v[sl].to(dt).transpose(1, 2)
-            gp, bp = pending.g[sl].to(dt).transpose(1, 2), pending.beta[sl].to(dt).transpose(1, 2)
+            rows = lambda x: torch.where(  # noqa: E731  [b, P, H, X] -> [b, H, P, X], stale rows zeroed
+                valid.view(*valid.shape, *([1] * (x.dim() - 2))), x.to(dt), 0
+            ).transpose(1, 2)
+            kp = rows(_prep_qk(pending.k[sl], Hv, use_qk_l2norm, dt))
+            vp, gp, bp = rows(pending.v[sl]), rows(pending.g[sl]), rows(pending.beta[sl])
             S = state[sl].to(dt)
             _, d, G = closed_form(S, kp, kp, vp, gp, bp, Mc, 1.0)
             last = (m[live] - 1)[:, None, None]

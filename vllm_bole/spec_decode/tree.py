@@ -43,7 +43,8 @@ class TreeBatch:
     depth: torch.Tensor  # [T] int32
     cu_nodes: torch.Tensor  # [B + 1] int32
     path: torch.Tensor  # [T, max_depth + 1] int32
-    anc_mask: torch.Tensor  # [T, ceil(max_nodes / 32)] int32
+    anc_mask: torch.Tensor  # [T, ceil(MAX_NODES / 32)] int32
+    max_nodes: int  # largest tree of the batch (host-side, so launchers never sync)
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -90,7 +91,8 @@ class TreeBatch:
         return ((word >> (j % 32)) & 1).bool()
 
     def to(self, device) -> "TreeBatch":
-        return TreeBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TreeBatch(**{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in moved.items()})
 
     def request(self, r: int) -> tuple[list[int], list[int]]:
         """(parents, token_ids) of request ``r`` as Python lists (tests, debugging)."""
@@ -249,6 +251,7 @@ class TreeBatch:
             cu_nodes=cu.to(torch.int32),
             path=path.to(torch.int32),
             anc_mask=anc_mask,
+            max_nodes=int(sizes.max()),
         )
 
 
