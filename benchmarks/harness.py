@@ -22,7 +22,7 @@ import torch
 import triton
 
 
-def bench_ms(fn, warmup: int = 25, rep: int = 100, graph: bool = True) -> float:
+def bench_ms(fn, warmup: int = 25, rep: int = 60, graph: bool = True) -> float:
     if graph:
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))

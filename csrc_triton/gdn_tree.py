@@ -142,11 +142,13 @@ def _squarings(max_path_len: int) -> int:
     return max(int(max_path_len - 1).bit_length() - 1, 0)
 
 
-def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, *, block_v=32, num_warps=4, num_stages=1):
+def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, *, block_v=64, num_warps=None, num_stages=1, lowp=None):
     """Launch ``gdn_tree_step_kernel``; arguments as ``vllm_bole.mamba.gdn_tree.gdn_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
-    Returns ``o`` [T, Hv, V] in v's dtype (None without a tree).
+    Returns ``o`` [T, Hv, V] in v's dtype (None without a tree). Defaults are the fastest
+    correct configs of the H200 probe (benchmarks/device/probe_gdn_configs.py; BV=32 with bf16
+    operands and 64+ node trees hit an illegal access in Triton 3.6's code, so BV=64).
     """
     import torch
 
@@ -172,7 +174,10 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
         DP = 16
         pend_args = (state, state, state, state, state_idx, 0)
     BV = min(block_v, V)
-    lowp = BT >= 128 or (tree is not None and v.element_size() == 2)
+    if lowp is None:
+        lowp = BT >= 128 or (tree is not None and v.element_size() == 2)
+    if num_warps is None:
+        num_warps = 4 if BT <= 64 else 8
     kernel = gdn_tree_step_kernel[(B * Hv, V // BV)](
         *tree_args,
         state, state_idx, *state.stride(),
@@ -180,7 +185,7 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
         scale,
         Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV, DP=DP, MW=MW, STEPS_P=_squarings(P if pending is not None else 1),
         HAS_TREE=tree is not None, HAS_PENDING=pending is not None, USE_L2NORM=use_qk_l2norm, LOWP=lowp,
-        num_warps=num_warps if BT < 128 else 8, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if os.environ.get("BOLE_KERNEL_STATS"):
         print(f"gdn_tree_step_kernel BT={BT} DP={DP}: regs {kernel.n_regs} spills {kernel.n_spills} smem {kernel.metadata.shared}")
