@@ -76,7 +76,7 @@ def gdn_tree_step(
     else:
         o = _step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm)
     if pending is not None:
-        pending.length[state_idx.long()] = 0
+        pending.length.index_fill_(0, state_idx.long(), 0)
     return o
 
 
