@@ -1,0 +1,457 @@
+"""Draft-tree builders: invariants, determinism, and optimality against brute force."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from vllm_bole.spec_decode.builders import (
+    CHILDREN_DETERMINISTIC,
+    CHILDREN_WITH_REPLACEMENT,
+    CHILDREN_WITHOUT_REPLACEMENT,
+    DraftTree,
+    Frontier,
+    StaticTree,
+    acceptance_stats,
+    build_best_first,
+    build_best_first_autoregressive,
+    build_best_first_batch,
+    build_sampled,
+    build_static,
+    chain_tree,
+    expected_tokens,
+    kary_tree,
+    optimal_static_tree,
+    _sample_rows_without_replacement,
+)
+from vllm_bole.spec_decode.tree import TreeBatch, TreeError
+
+
+# ----------------------------------------------------------------------------------- helpers
+def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value (torch only). Cells with expected count < 5 are pooled; any
+    draw in a zero-probability cell gives 0."""
+    observed = observed.double().flatten()
+    probs = probs.double().flatten()
+    n = observed.sum()
+    zero = probs <= 0
+    if observed[zero].sum() > 0:
+        return 0.0
+    obs, exp = observed[~zero], probs[~zero] * n
+    small = exp < 5
+    if small.any():
+        obs = torch.cat([obs[~small], obs[small].sum()[None]])
+        exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def request_lists(dt: DraftTree, r: int):
+    s, e = int(dt.tree.cu_nodes[r]), int(dt.tree.cu_nodes[r + 1])
+    return (dt.tree.parent[s:e].tolist(), dt.tree.token_ids[s:e].tolist(), dt.scores[s:e].tolist(),
+            dt.draft_probs[s:e].tolist(), dt.tree.depth[s:e].tolist())
+
+
+def token_paths(parents, tokens):
+    paths = []
+    for i, p in enumerate(parents):
+        paths.append(() if p < 0 else paths[p] + (tokens[i],))
+    return paths
+
+
+def check_invariants(dt: DraftTree, budget, max_depth: int, distinct_siblings: bool = True):
+    tree = dt.tree
+    # re-validating the flat arrays gives the same tree (topological order, one root, depth, path)
+    again = TreeBatch.from_flat(tree.parent, tree.token_ids, tree.cu_nodes, max_depth=tree.max_depth)
+    for f in ("token_ids", "parent", "depth", "cu_nodes", "path", "anc_mask"):
+        assert torch.equal(getattr(again, f), getattr(tree, f)), f
+    B = tree.num_requests
+    budgets = torch.as_tensor(budget).expand(B)
+    sizes = tree.nodes_per_request
+    assert (sizes <= budgets + 1).all()
+    assert int(tree.depth.max()) <= max_depth
+    for r in range(B):
+        par, tok, sc, q, dep = request_lists(dt, r)
+        assert par[0] == -1 and abs(sc[0] - 1) < 1e-12
+        for i in range(1, len(par)):
+            assert 0 <= par[i] < i
+            assert sc[i] == pytest.approx(sc[par[i]] * q[i], rel=1e-5, abs=1e-300)
+            assert sc[i] <= sc[par[i]] + 1e-12
+        if distinct_siblings:
+            keys = [(par[i], tok[i]) for i in range(1, len(par))]
+            assert len(keys) == len(set(keys)), "siblings repeat a token"
+
+
+def brute_force_best(weight_fn, V: int, D: int, N: int) -> float:
+    """Max over prefix-closed sets of <= N paths (length 1..D over V tokens) of sum weight."""
+    cands = [p for d in range(1, D + 1) for p in itertools.product(range(V), repeat=d)]
+    w = {p: weight_fn(p) for p in cands}
+    best = [0.0]
+
+    def rec(i, chosen, count, total):
+        if total > best[0]:
+            best[0] = total
+        if count == N:
+            return
+        for j in range(i, len(cands)):
+            p = cands[j]
+            if len(p) == 1 or p[:-1] in chosen:
+                chosen.add(p)
+                rec(j + 1, chosen, count + 1, total + w[p])
+                chosen.remove(p)
+
+    rec(0, set(), 0, 0.0)
+    return best[0]
+
+
+def brute_force_sizes(weight_fn, V, D, N):
+    return [brute_force_best(weight_fn, V, D, n) for n in range(N + 1)]
+
+
+def rho_from_marginals(m):  # m [D, V]
+    def f(path):
+        return math.prod(float(m[k, t]) for k, t in enumerate(path))
+    return f
+
+
+# ------------------------------------------------------------------------------ static shapes
+def test_chain_and_kary_shapes():
+    c = chain_tree(4)
+    assert c.parents == (-1, 0, 1, 2, 3) and c.ranks == (0,) * 5 and c.max_depth == 4
+    k = kary_tree([2, 3])
+    assert k.num_nodes == 1 + 2 + 6 and k.max_depth == 2 and k.contiguous_ranks
+    assert k.parents[:3] == (-1, 0, 0) and k.ranks[3:6] == (0, 1, 2)
+    assert chain_tree(0).num_nodes == 1
+    with pytest.raises(TreeError):
+        StaticTree((-1, 0, 0), (0, 1, 1))  # repeated sibling rank
+    with pytest.raises(TreeError):
+        StaticTree((-1, 2, 0), (0, 0, 0))  # not topological
+
+
+def brute_force_static(p: torch.Tensor, N: int, D: int, K: int) -> float:
+    """Best expected_tokens over prefix-closed, rank-contiguous rank trees (<= N draft nodes)."""
+    cands = [s for d in range(1, D + 1) for s in itertools.product(range(K), repeat=d)]
+    best = [1.0]
+
+    def weight(s):
+        return math.prod(float(p[k, r]) for k, r in enumerate(s))
+
+    def rec(i, chosen, count, total):
+        best[0] = max(best[0], total)
+        if count == N:
+            return
+        for j in range(i, len(cands)):
+            s = cands[j]
+            if (len(s) == 1 or s[:-1] in chosen) and (s[-1] == 0 or s[:-1] + (s[-1] - 1,) in chosen):
+                chosen.add(s)
+                rec(j + 1, chosen, count + 1, total + weight(s))
+                chosen.remove(s)
+
+    rec(0, set(), 0, 1.0)
+    return best[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_static_tree_matches_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    D, K = 3, 3
+    if seed % 2 == 0:  # per rank, decreasing
+        p1 = torch.sort(torch.rand(K, generator=g), descending=True).values
+        p1 = p1 / p1.sum() * 0.9
+        stats, p = p1, p1[None].expand(D, K)
+    else:  # per (depth, rank), arbitrary order, rows sum < 1
+        p = torch.rand(D, K, generator=g)
+        p = p / p.sum(1, keepdim=True) * torch.rand(D, 1, generator=g)
+        stats = p
+    for N in range(0, 6):
+        st = optimal_static_tree(stats, N, max_depth=D)
+        assert st.budget <= N and st.max_depth <= D and st.contiguous_ranks
+        brute = brute_force_static(p, N, D, K)
+        assert st.expected == pytest.approx(brute, abs=1e-12)
+        assert expected_tokens(st, stats) == pytest.approx(brute, abs=1e-12)
+
+
+def test_optimal_static_tree_limits():
+    st = optimal_static_tree([0.8], 6, max_depth=4)  # one rank: a chain capped by depth
+    assert st.parents == (-1, 0, 1, 2, 3)
+    assert st.expected == pytest.approx(sum(0.8**k for k in range(5)))
+    st = optimal_static_tree([0.5, 0.3, 0.1], 40, max_depth=5)
+    assert st.budget <= 40 and st.max_depth <= 5
+    bigger = optimal_static_tree([0.5, 0.3, 0.1], 60, max_depth=5)
+    assert bigger.expected >= st.expected
+    # a sanity comparison: the optimum beats chain and 2-ary of the same budget
+    assert st.expected >= expected_tokens(kary_tree([2, 2, 2, 2]), [0.5, 0.3, 0.1]) - 1e-12
+    assert optimal_static_tree([0.5], 0).num_nodes == 1
+
+
+def test_acceptance_stats():
+    depths = torch.tensor([1, 1, 1, 1, 2, 2, 3])
+    ranks = torch.tensor([0, 0, 1, -1, 0, 5, 2])
+    p = acceptance_stats(depths, ranks, num_ranks=3, max_depth=3)
+    assert torch.allclose(p, torch.tensor([[0.5, 0.25, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------ static instantiation
+def test_build_static_one_pass_topk_and_tiling():
+    g = torch.Generator().manual_seed(0)
+    B, D, V = 5, 3, 9
+    m = torch.rand(B, D, V, generator=g).softmax(-1)
+    roots = torch.arange(B)
+    tmpl = kary_tree([3, 2, 1])
+    dt = build_static(tmpl, roots, marginals=m)
+    assert dt.children == CHILDREN_DETERMINISTIC
+    check_invariants(dt, tmpl.budget, 3)
+    top = m.topk(3, dim=-1).indices
+    deps = torch.tensor(tmpl.depths)
+    rks = torch.tensor(tmpl.ranks)
+    tok = dt.tree.token_ids.view(B, -1)
+    for b in range(B):
+        assert tok[b, 0] == b
+        for i in range(1, tmpl.num_nodes):
+            assert tok[b, i] == top[b, deps[i] - 1, rks[i]]
+    # draft probabilities / child distributions point at the right marginal rows
+    dists = dt.child_dists()
+    nodes_dep = dt.tree.depth.long()
+    req = dt.tree.request_index
+    has = nodes_dep < D
+    assert torch.equal(dists[has], m[req[has], nodes_dep[has]])
+    # the tiled fast path equals a validated build
+    ref = TreeBatch.from_parents([list(tmpl.parents)] * B, tok.tolist())
+    for f in ("token_ids", "parent", "depth", "cu_nodes", "path", "anc_mask"):
+        assert torch.equal(getattr(ref, f), getattr(dt.tree, f)), f
+    # chain = top-1 at every depth
+    ch = build_static(chain_tree(3), roots, marginals=m)
+    assert torch.equal(ch.tree.token_ids.view(B, -1)[:, 1:], m.argmax(-1))
+
+
+class PathDrafter:
+    """A deterministic autoregressive drafter: q(. | path) from a hashed table, recording calls."""
+
+    def __init__(self, V, seed=0, sharp=3.0, P=4099):
+        g = torch.Generator().manual_seed(seed)
+        self.table = (torch.randn(P, V, generator=g) * sharp).softmax(-1)
+        self.P = P
+        self.calls = []
+
+    def key(self, path_tokens):
+        h = torch.zeros(path_tokens.shape[0], dtype=torch.long)
+        for k in range(path_tokens.shape[1]):
+            h = (h * 1000003 + path_tokens[:, k] + 1) % 2147483647
+        return h % self.P
+
+    def probs_of(self, path):
+        return self.table[self.key(torch.tensor([list(path)]))[0]]
+
+    def __call__(self, fr: Frontier):
+        assert fr.path_tokens.shape == (fr.size, fr.depth + 1)
+        assert torch.equal(fr.path_tokens[:, -1], fr.token)
+        self.calls.append(fr)
+        return self.table[self.key(fr.path_tokens)]
+
+
+def test_build_static_autoregressive():
+    V = 7
+    drafter = PathDrafter(V, seed=1)
+    roots = torch.tensor([3, 5])
+    tmpl = kary_tree([2, 2, 1])
+    dt = build_static(tmpl, roots, step_fn=drafter)
+    check_invariants(dt, tmpl.budget, 3)
+    assert [fr.depth for fr in drafter.calls] == [0, 1, 2]  # one call per level
+    for r in range(2):
+        par, tok, sc, q, dep = request_lists(dt, r)
+        paths = token_paths(par, tok)
+        for i in range(1, len(par)):
+            dist = drafter.probs_of((tok[0],) + paths[par[i]])
+            assert tok[i] == int(dist.topk(2).indices[tmpl.ranks[i]])
+            assert q[i] == pytest.approx(float(dist[tok[i]]))
+    # the recorded child distributions are the drafter's outputs at each expanded node
+    dists = dt.child_dists()
+    for i in range(dt.tree.num_nodes):
+        if int(dt.child_dist_index[i]) >= 0:
+            r = int(dt.tree.request_index[i])
+            par, tok, *_ = request_lists(dt, r)
+            local = i - int(dt.tree.cu_nodes[r])
+            path = (tok[0],) + token_paths(par, tok)[local]
+            assert torch.allclose(dists[i], drafter.probs_of(path))
+
+
+# --------------------------------------------------------------------------------- best-first
+@pytest.mark.parametrize("V,D,N", [(3, 3, 1), (3, 3, 4), (3, 3, 6), (4, 3, 5), (2, 4, 6)])
+def test_best_first_is_optimal_vs_brute_force(V, D, N):
+    g = torch.Generator().manual_seed(V * 100 + D * 10 + N)
+    B = 4
+    m = (torch.randn(B, D, V, generator=g) * 1.5).softmax(-1)
+    dt = build_best_first(torch.zeros(B, dtype=torch.long), m, N)
+    check_invariants(dt, N, D)
+    got = dt.expected_accepted()
+    for b in range(B):
+        best = brute_force_best(rho_from_marginals(m[b]), V, D, N)
+        assert float(got[b]) == pytest.approx(best, rel=1e-9), (b, float(got[b]), best)
+        par, tok, sc, q, dep = request_lists(dt, b)
+        for i in range(1, len(par)):  # draft probabilities come from marginal depth-1
+            assert q[i] == pytest.approx(float(m[b, dep[i] - 1, tok[i]]))
+
+
+def test_best_first_limits_and_ties():
+    B, D, V = 3, 5, 4
+    # ties everywhere (uniform marginals) and a degenerate drafter (probability-1 tokens)
+    m = torch.full((B, D, V), 1.0 / V)
+    m[1] = 0
+    m[1, :, 2] = 1.0
+    budget = torch.tensor([7, 4, 0])
+    dt = build_best_first(torch.tensor([1, 2, 3]), m, budget, max_depth=4)
+    check_invariants(dt, budget, 4)
+    assert dt.tree.nodes_per_request.tolist() == [8, 5, 1]
+    par, tok, *_ = request_lists(dt, 1)
+    assert par == [-1, 0, 1, 2, 3] and tok[1:] == [2, 2, 2, 2]  # a chain of the certain token
+    # deterministic: same input, same tree
+    dt2 = build_best_first(torch.tensor([1, 2, 3]), m, budget, max_depth=4)
+    assert torch.equal(dt.tree.token_ids, dt2.tree.token_ids) and torch.equal(dt.tree.parent, dt2.tree.parent)
+    # top_k limits the children per node
+    g = torch.Generator().manual_seed(3)
+    m = torch.rand(2, 4, 10, generator=g).softmax(-1)
+    dt = build_best_first(torch.tensor([0, 0]), m, 20, top_k=2)
+    counts = torch.bincount(dt.tree.parent_flat[dt.tree.parent_flat >= 0])
+    assert int(counts.max()) <= 2
+
+
+def test_best_first_autoregressive_is_optimal_vs_brute_force():
+    V, D = 3, 3
+    for seed, N in [(0, 3), (1, 5), (2, 6)]:
+        drafter = PathDrafter(V, seed=seed, sharp=1.5)
+        roots = torch.tensor([0, 1, 2])
+        dt = build_best_first_autoregressive(roots, drafter, N, max_depth=D)
+        check_invariants(dt, N, D)
+        assert [fr.depth for fr in drafter.calls] == list(range(len(drafter.calls)))  # level by level
+        got = dt.expected_accepted()
+        for b in range(3):
+            def w(path, b=b):
+                full = (int(roots[b]),) + path
+                return math.prod(float(drafter.probs_of(full[: k + 1])[full[k + 1]]) for k in range(len(path)))
+            best = brute_force_best(w, V, D, N)
+            assert float(got[b]) == pytest.approx(best, rel=1e-6)
+
+
+def test_best_first_autoregressive_beam_and_ids():
+    V = 12
+    drafter = PathDrafter(V, seed=5)
+    roots = torch.tensor([4, 7, 9, 1])
+    budget = torch.tensor([10, 3, 16, 0])
+    dt = build_best_first_autoregressive(roots, drafter, budget, max_depth=6, top_k=3, beam=2)
+    check_invariants(dt, budget, 6)
+    for fr in drafter.calls:  # at most `beam` expanded nodes per request per level
+        assert int(torch.bincount(fr.request).max()) <= 2
+        assert (fr.request != 3).all()  # budget 0: never expanded
+    # every node's source id was handed to the drafter as the child of its parent's id
+    seen = {}
+    for fr in drafter.calls:
+        for r, n, p in zip(fr.request.tolist(), fr.node_id.tolist(), fr.parent_id.tolist()):
+            seen[(r, n)] = p
+    for r in range(4):
+        s, e = int(dt.tree.cu_nodes[r]), int(dt.tree.cu_nodes[r + 1])
+        ids = dt.source_ids[s:e].tolist()
+        par = dt.tree.parent[s:e].tolist()
+        for i in range(1, e - s):
+            if (r, ids[i]) in seen:
+                assert seen[(r, ids[i])] == ids[par[i]]
+
+
+def test_batch_wide_best_first_matches_brute_force():
+    V, D = 3, 3
+    g = torch.Generator().manual_seed(11)
+    B = 3
+    m = (torch.randn(B, D, V, generator=g) * 2).softmax(-1)
+    caps = torch.tensor([4, 2, 5])
+    per = [brute_force_sizes(rho_from_marginals(m[b]), V, D, int(caps[b])) for b in range(B)]
+    for total in [0, 1, 3, 6, 11, 20]:
+        dt = build_best_first_batch(torch.zeros(B, dtype=torch.long), m, total, max_per_request=caps)
+        check_invariants(dt, caps, D)
+        assert int(dt.tree.nodes_per_request.sum()) - B <= total
+        best = max(
+            per[0][a] + per[1][b] + per[2][c]
+            for a in range(5) for b in range(3) for c in range(6) if a + b + c <= total
+        )
+        assert float(dt.expected_accepted().sum()) == pytest.approx(best, rel=1e-9), total
+
+
+def test_batch_wide_autoregressive_respects_total():
+    drafter = PathDrafter(8, seed=2)
+    dt = build_best_first_autoregressive(torch.arange(5), drafter, 10, max_depth=4, total_budget=17)
+    check_invariants(dt, 10, 4)
+    assert int(dt.tree.nodes_per_request.sum()) - 5 == 17
+
+
+# ----------------------------------------------------------------------------- sampled trees
+def test_sampled_children_invariants_and_determinism():
+    g = torch.Generator().manual_seed(0)
+    B, D, V = 64, 3, 6
+    m = (torch.randn(B, D, V, generator=g) * 2).softmax(-1)
+    tmpl = kary_tree([3, 2, 1])
+    for repl in (True, False):
+        a = build_sampled(tmpl, torch.zeros(B, dtype=torch.long), marginals=m, replacement=repl,
+                          generator=torch.Generator().manual_seed(7))
+        b = build_sampled(tmpl, torch.zeros(B, dtype=torch.long), marginals=m, replacement=repl,
+                          generator=torch.Generator().manual_seed(7))
+        c = build_sampled(tmpl, torch.zeros(B, dtype=torch.long), marginals=m, replacement=repl,
+                          generator=torch.Generator().manual_seed(8))
+        assert a.children == (CHILDREN_WITH_REPLACEMENT if repl else CHILDREN_WITHOUT_REPLACEMENT)
+        assert torch.equal(a.tree.token_ids, b.tree.token_ids)
+        assert not torch.equal(a.tree.token_ids, c.tree.token_ids)
+        check_invariants(a, tmpl.budget, 3, distinct_siblings=not repl)
+        assert (a.draft_probs > 0).all()
+    # support smaller than the number of children: without replacement drops the missing ones
+    m2 = torch.zeros(4, 2, V)
+    m2[..., :2] = 0.5
+    dt = build_sampled(kary_tree([3, 3]), torch.zeros(4, dtype=torch.long), marginals=m2, replacement=False,
+                       generator=torch.Generator().manual_seed(0))
+    check_invariants(dt, 12, 2)
+    assert dt.tree.nodes_per_request.tolist() == [7, 7, 7, 7]  # 2 + 2 * 2 draft nodes
+    for r in range(4):
+        par, tok, *_ = request_lists(dt, r)
+        assert sorted(tok[1:3]) == [0, 1]
+
+
+def test_sampled_autoregressive_records_distributions():
+    drafter = PathDrafter(6, seed=4)
+    dt = build_sampled(kary_tree([2, 2]), torch.tensor([0, 3, 5]), step_fn=drafter, replacement=False,
+                       generator=torch.Generator().manual_seed(1))
+    check_invariants(dt, 6, 2)
+    dists = dt.child_dists()
+    for i in range(dt.tree.num_nodes):
+        r = int(dt.tree.request_index[i])
+        par, tok, *_ = request_lists(dt, r)
+        local = i - int(dt.tree.cu_nodes[r])
+        if dt.tree.depth[i] < 2:
+            path = (tok[0],) + token_paths(par, tok)[local]
+            assert torch.allclose(dists[i], drafter.probs_of(path))
+
+
+def test_without_replacement_sampler_distribution():
+    """First two draws without replacement: P(x1, x2) = q(x1) q(x2) / (1 - q(x1))."""
+    q = torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.07, 0.03]])
+    n = 100_000
+    u = torch.rand(1, n, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tok, ok = _sample_rows_without_replacement(q, u)
+    assert ok.all()
+    tok = tok[0]
+    assert (tok[:, 0] != tok[:, 1]).all() and (tok[:, 1] != tok[:, 2]).all() and (tok[:, 0] != tok[:, 2]).all()
+    V = 6
+    expect = q[0][:, None] * q[0][None, :] / (1 - q[0][:, None])
+    expect.fill_diagonal_(0)
+    counts = torch.bincount(tok[:, 0] * V + tok[:, 1], minlength=V * V)
+    assert chi2_pvalue(counts, expect) > 1e-4
+    # a sampler that forgets to remove the first draw is caught
+    bad = torch.bincount(tok[:, 0] * V + torch.multinomial(q[0], n, replacement=True,
+                                                          generator=torch.Generator().manual_seed(1)),
+                         minlength=V * V)
+    assert chi2_pvalue(bad, expect) < 1e-6
+
+
+def test_drafter_argument_errors():
+    with pytest.raises(ValueError):
+        build_static(chain_tree(2), torch.tensor([0]))
+    with pytest.raises(ValueError):
+        build_static(chain_tree(4), torch.tensor([0]), marginals=torch.rand(1, 2, 5))
+    with pytest.raises(ValueError):
+        build_best_first(torch.tensor([0, 1]), torch.rand(2, 2, 5), 300)

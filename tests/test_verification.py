@@ -1,0 +1,536 @@
+"""Lossless verification: greedy equality with plain greedy decoding, chi-square tests of every
+stochastic scheme (1e5 draws, first token and first two tokens jointly), negative controls that
+the chi-square test catches, sampling-parameter semantics, reproducibility, output format."""
+import math
+
+import pytest
+import torch
+
+import vllm_bole.spec_decode.verification as ver
+from vllm_bole.spec_decode.builders import (
+    DraftTree,
+    build_best_first,
+    build_best_first_autoregressive,
+    build_sampled,
+    build_static,
+    chain_tree,
+    kary_tree,
+)
+from vllm_bole.spec_decode.tree import TreeBatch
+from vllm_bole.spec_decode.verification import (
+    target_probs,
+    verify,
+    verify_deterministic,
+    verify_greedy,
+    verify_rejection,
+)
+
+MOD = 2147483647
+
+
+# ----------------------------------------------------------------------------------- helpers
+def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value (torch only: regularised upper incomplete gamma). Cells with
+    expected count < 5 are pooled; any draw in a zero-probability cell gives 0."""
+    observed = observed.double().flatten()
+    probs = probs.double().flatten()
+    n = observed.sum()
+    zero = probs <= 0
+    if observed[zero].sum() > 0:
+        return 0.0
+    obs, exp = observed[~zero], probs[~zero] * n
+    small = exp < 5
+    if small.any():
+        obs = torch.cat([obs[~small], obs[small].sum()[None]])
+        exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def test_chi2_helper_against_known_values():
+    # chi-square survival function: df=1, x=3.841 -> 0.05 ; df=10, x=23.209 -> 0.01
+    for df, x, p in [(1, 3.841458820694124, 0.05), (10, 23.209251158954356, 0.01)]:
+        got = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2)))
+        assert got == pytest.approx(p, rel=1e-6)
+
+
+def _ext(h, tok):
+    return (h * 1000003 + tok + 1) % MOD
+
+
+class HashTarget:
+    """A fixed random 'target model': logits = table[hash(whole token sequence)]."""
+
+    def __init__(self, V, seed=0, scale=2.0, P=10007):
+        g = torch.Generator().manual_seed(seed)
+        self.V, self.P = V, P
+        self.table = torch.randn(P, V, generator=g, dtype=torch.float64).float() * scale
+
+    @staticmethod
+    def seq_hash(seq):
+        h = 0
+        for t in seq:
+            h = _ext(h, int(t))
+        return h
+
+    def seq_logits(self, seq):
+        return self.table[self.seq_hash(seq) % self.P]
+
+    def tree_logits(self, tree: TreeBatch, prefix_hash: torch.Tensor) -> torch.Tensor:
+        """Row i = logits after (context before the root) + path root..i."""
+        path = tree.path_flat
+        tok = tree.token_ids
+        h = prefix_hash.long()[tree.request_index]
+        for k in range(path.shape[1]):
+            col = path[:, k]
+            h = torch.where(col >= 0, _ext(h, tok[col.clamp(min=0)]), h)
+        return self.table[h % self.P]
+
+    def greedy(self, seq, n):
+        seq = list(seq)
+        out = []
+        for _ in range(n):
+            t = int(self.seq_logits(seq + out).argmax())
+            out.append(t)
+        return out
+
+
+def ref_probs(logits_row, temperature, top_k, top_p):
+    """Independent per-row reference of vLLM's sampling semantics (float64)."""
+    x = logits_row.double()
+    V = x.numel()
+    if temperature < ver.SAMPLING_EPS:
+        p = torch.zeros(V, dtype=torch.float64)
+        p[int(logits_row.argmax())] = 1
+        return p
+    x = x / temperature
+    keep = torch.ones(V, dtype=torch.bool)
+    if top_k is not None and 0 < top_k < V:
+        kth = torch.sort(x, descending=True).values[top_k - 1]
+        keep &= x >= kth
+    if top_p is not None:
+        pk = torch.where(keep, x, torch.tensor(-math.inf, dtype=torch.float64)).softmax(0)
+        order = torch.argsort(pk)  # ascending
+        cum = 0.0
+        for j, t in enumerate(order.tolist()):
+            cum += float(pk[t])
+            if cum <= 1 - top_p and j < V - 1:
+                keep[t] = False
+    return torch.where(keep, x, torch.tensor(-math.inf, dtype=torch.float64)).softmax(0)
+
+
+def tree_walk_reference(dt: DraftTree, r: int, continuation):
+    """Longest tree path (first matching sibling at each level) that is a prefix of
+    ``continuation``: the number of accepted draft tokens greedy decoding must give."""
+    s, e = int(dt.tree.cu_nodes[r]), int(dt.tree.cu_nodes[r + 1])
+    par = dt.tree.parent[s:e].tolist()
+    tok = dt.tree.token_ids[s:e].tolist()
+    node, m = 0, 0
+    while True:
+        nxt = [i for i in range(e - s) if par[i] == node and tok[i] == continuation[m]]
+        if not nxt:
+            return m
+        node, m = nxt[0], m + 1
+
+
+def check_format(res, tree: TreeBatch):
+    B, W = res.output_token_ids.shape
+    assert W == tree.max_depth + 1 and res.accepted_nodes.shape == (B, W)
+    for r in range(B):
+        n = int(res.num_emitted[r])
+        assert 1 <= n <= W
+        assert (res.output_token_ids[r, n:] == -1).all() and (res.output_token_ids[r, :n] >= 0).all()
+        acc = res.accepted_nodes[r].tolist()
+        assert acc[0] == 0 and all(a == -1 for a in acc[n:])
+        s = int(tree.cu_nodes[r])
+        for j in range(1, n):
+            assert int(tree.parent[s + acc[j]]) == acc[j - 1]
+            assert int(tree.token_ids[s + acc[j]]) == int(res.output_token_ids[r, j - 1])
+        assert int(res.last_node[r]) == s + acc[n - 1]
+
+
+def noisy_drafter(target: HashTarget, prefix_hash: torch.Tensor, noise: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    extra = torch.randn(target.P, target.V, generator=g) * noise
+
+    def step(fr):
+        h = prefix_hash[fr.request].long()
+        for k in range(fr.path_tokens.shape[1]):
+            h = _ext(h, fr.path_tokens[:, k])
+        return (target.table[h % target.P] + extra[h % target.P]).softmax(-1)
+
+    return step
+
+
+# ------------------------------------------------------------------------------ sampling params
+def test_target_probs_matches_vllm_semantics():
+    g = torch.Generator().manual_seed(0)
+    N, V = 60, 11
+    logits = torch.randn(N, V, generator=g) * 2
+    logits[5, 3] = logits[5, 7] = logits[5].max() + 1  # a tie at the top
+    logits[6, :4] = 0.5  # ties at the top-k threshold
+    logits[6, 4:] = -1.0
+    temp = torch.rand(N, generator=g) * 1.5 + 0.2
+    temp[::7] = 0.0
+    top_k = torch.randint(-1, V + 3, (N,), generator=g)
+    top_k[6] = 2
+    top_p = torch.rand(N, generator=g) * 0.9 + 0.1
+    top_p[::5] = 1.0
+    got = target_probs(logits, temp, top_k, top_p)
+    for i in range(N):
+        ref = ref_probs(logits[i], float(temp[i]), int(top_k[i]), float(top_p[i]))
+        assert torch.allclose(got[i].double(), ref, atol=1e-6), i
+    assert (got[6, :4] > 0).all() and (got[6, 4:] == 0).all()  # every tied token at the threshold kept
+    # no top-k / top-p given: plain tempered softmax
+    assert torch.allclose(target_probs(logits, 0.7), (logits / 0.7).softmax(-1))
+
+
+# ------------------------------------------------------------------------------------ greedy
+def _greedy_case(builder, seed, B=6, V=16, D=4):
+    target = HashTarget(V, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    ctx = [torch.randint(0, V, (5,), generator=g).tolist() for _ in range(B)]
+    roots = torch.tensor([c[-1] for c in ctx])
+    prefix = torch.tensor([HashTarget.seq_hash(c[:-1]) for c in ctx])
+    cont = [target.greedy(c, D + 1) for c in ctx]
+    dt = builder(target, roots, prefix, cont, g)
+    logits = target.tree_logits(dt.tree, prefix)
+    res = verify_greedy(dt.tree, logits)
+    check_format(res, dt.tree)
+    for r in range(B):
+        n = int(res.num_emitted[r])
+        assert res.tokens(r) == cont[r][:n]
+        assert n - 1 == tree_walk_reference(dt, r, cont[r])
+    return dt, res, cont
+
+
+def _oracle_marginals(cont, V, D, p_right=0.9):
+    B = len(cont)
+    m = torch.full((B, D, V), (1 - p_right) / (V - 1))
+    for b in range(B):
+        for k in range(D):
+            m[b, k, cont[b][k]] = p_right
+    return m
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_equals_plain_greedy_random_drafters(seed):
+    V, D = 16, 4
+
+    def best_first(target, roots, prefix, cont, g):
+        m = (torch.randn(len(roots), D, V, generator=g) * 2).softmax(-1)
+        return build_best_first(roots, m, 12)
+
+    def static(target, roots, prefix, cont, g):
+        m = (torch.randn(len(roots), D, V, generator=g) * 2).softmax(-1)
+        return build_static(kary_tree([3, 2, 1, 1]), roots, marginals=m)
+
+    def sampled(target, roots, prefix, cont, g):
+        m = (torch.randn(len(roots), D, V, generator=g)).softmax(-1)
+        return build_sampled(kary_tree([4, 2, 1]), roots, marginals=m, replacement=True, generator=g)
+
+    def autoregressive(target, roots, prefix, cont, g):
+        return build_best_first_autoregressive(roots, noisy_drafter(target, prefix, 2.0, seed), 10, max_depth=D)
+
+    for builder in (best_first, static, sampled, autoregressive):
+        _greedy_case(builder, seed)
+
+
+def test_greedy_oracle_drafter_accepts_everything_and_garbage_nothing():
+    V, D = 16, 4
+
+    def oracle(target, roots, prefix, cont, g):
+        return build_best_first(roots, _oracle_marginals(cont, V, D), 8)
+
+    _, res, _ = _greedy_case(oracle, 7)
+    assert (res.num_emitted == D + 1).all()
+
+    def oracle_chain(target, roots, prefix, cont, g):
+        return build_static(chain_tree(D), roots, marginals=_oracle_marginals(cont, V, D, 0.3))
+
+    _, res, _ = _greedy_case(oracle_chain, 8)
+    assert (res.num_emitted == D + 1).all()
+
+    def garbage(target, roots, prefix, cont, g):
+        m = _oracle_marginals(cont, V, D, 0.0)  # zero mass on the right tokens
+        return build_best_first(roots, m, 12)
+
+    _, res, _ = _greedy_case(garbage, 9)
+    assert (res.num_emitted == 1).all()
+
+    def half(target, roots, prefix, cont, g):  # right for two levels, then wrong
+        m = _oracle_marginals(cont, V, D, 0.9)
+        m[:, 2:] = _oracle_marginals(cont, V, D, 0.0)[:, 2:]
+        return build_best_first(roots, m, 6)
+
+    _, res, _ = _greedy_case(half, 10)
+    assert (res.num_emitted == 3).all()
+
+
+def test_greedy_decoding_loop_equals_autoregressive_greedy():
+    V, D, B, steps = 12, 3, 4, 12
+    target = HashTarget(V, seed=21)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, V, (3,), generator=g).tolist() for _ in range(B)]
+    want = [s + target.greedy(s, 40) for s in seqs]
+    for step in range(steps):
+        roots = torch.tensor([s[-1] for s in seqs])
+        prefix = torch.tensor([HashTarget.seq_hash(s[:-1]) for s in seqs])
+        kind = step % 4
+        if kind == 0:  # partially right one-pass drafter
+            cont = [target.greedy(s, D) for s in seqs]
+            m = 0.5 * _oracle_marginals(cont, V, D, 0.6) + 0.5 * torch.rand(B, D, V, generator=g).softmax(-1)
+            dt = build_best_first(roots, m, 7)
+        elif kind == 1:
+            dt = build_best_first_autoregressive(roots, noisy_drafter(target, prefix, 1.0, step), 6, max_depth=D,
+                                                 top_k=2, beam=2)
+        elif kind == 2:
+            dt = build_sampled(kary_tree([2, 2]), roots, marginals=torch.rand(B, 2, V, generator=g).softmax(-1),
+                               replacement=False, generator=g)
+        else:
+            dt = build_static(chain_tree(D), roots, step_fn=noisy_drafter(target, prefix, 0.5, step))
+        logits = target.tree_logits(dt.tree, prefix)
+        res = verify(dt, logits)  # greedy
+        for r in range(B):
+            seqs[r] = seqs[r] + res.tokens(r)
+    for r in range(B):
+        assert seqs[r] == want[r][: len(seqs[r])]
+        assert len(seqs[r]) > 3 + steps  # some drafts were accepted
+
+
+def test_stochastic_modes_at_temperature_zero_equal_greedy():
+    V = 10
+    target = HashTarget(V, seed=3, scale=1.0)
+    g = torch.Generator().manual_seed(0)
+    B = 32
+    roots = torch.randint(0, V, (B,), generator=g)
+    prefix = torch.randint(0, 1000, (B,), generator=g)
+    m = torch.rand(B, 3, V, generator=g).softmax(-1)
+    for dt in (
+        build_best_first(roots, m, 9),
+        build_sampled(kary_tree([3, 2, 1]), roots, marginals=m, replacement=True, generator=g),
+        build_sampled(kary_tree([3, 2, 1]), roots, marginals=m, replacement=False, generator=g),
+    ):
+        logits = target.tree_logits(dt.tree, prefix)
+        ref = verify_greedy(dt.tree, logits)
+        outs = [verify_deterministic(dt.tree, logits, temperature=0.0, top_k=3, top_p=0.5, generator=1)]
+        if dt.children != "deterministic":
+            outs.append(verify(dt, logits, temperature=torch.zeros(B), generator=2))
+        for res in outs:
+            check_format(res, dt.tree)
+            assert torch.equal(res.output_token_ids, ref.output_token_ids)
+            assert torch.equal(res.accepted_nodes, ref.accepted_nodes)
+            assert torch.equal(res.last_node, ref.last_node)
+        # mixed batch: greedy requests stay greedy next to sampled ones
+        temp = torch.where(torch.arange(B) % 2 == 0, 0.0, 1.0)
+        res = verify(dt, logits, temperature=temp, top_p=0.9, generator=5)
+        check_format(res, dt.tree)
+        even = torch.arange(0, B, 2)
+        assert torch.equal(res.output_token_ids[even], ref.output_token_ids[even])
+
+
+def test_root_only_trees():
+    tree = TreeBatch.from_parents([[-1], [-1]], [[3], [4]])
+    logits = torch.randn(2, 7)
+    res = verify_greedy(tree, logits)
+    assert res.num_emitted.tolist() == [1, 1]
+    assert res.output_token_ids[:, 0].tolist() == logits.argmax(-1).tolist()
+    res = verify_deterministic(tree, logits, temperature=1.0, generator=0)
+    assert res.num_emitted.tolist() == [1, 1]
+
+
+# ---------------------------------------------------------------------------- chi-square tests
+N_DRAWS = 100_000
+V_SMALL = 6
+CTX = [3, 1]  # context; the root is its last token
+PARAMS = dict(temperature=0.9, top_k=5, top_p=0.97)
+
+
+def _small_target():
+    return HashTarget(V_SMALL, seed=5, scale=1.2, P=101)
+
+
+def _drafter_marginals(B, D=2):
+    # the drafter prefers tokens the target does not: residuals matter
+    # (target at the root ~ [.66, .05, .05, .20, .04, 0]; after token 0 ~ [0, 0, .57, 0, .33, .10])
+    q = torch.tensor([[0.35, 0.10, 0.05, 0.35, 0.05, 0.10], [0.15, 0.05, 0.35, 0.05, 0.30, 0.10]])
+    return q[:D][None].expand(B, D, V_SMALL)
+
+
+def _run_two_tokens(build, method, n=N_DRAWS, seed=0, params=PARAMS, per_request_params=True):
+    """Decode two tokens for ``n`` identical requests (a second speculative step for those that
+    emitted one token); returns (first tokens, second tokens)."""
+    target = _small_target()
+    g = torch.Generator().manual_seed(seed)
+
+    def sp(B):
+        if not per_request_params:
+            return params
+        return {k: torch.full((B,), v, dtype=torch.float32 if isinstance(v, float) else torch.long)
+                for k, v in params.items()}
+
+    roots = torch.full((n,), CTX[-1])
+    prefix = torch.full((n,), HashTarget.seq_hash(CTX[:-1]))
+    dt = build(roots, g)
+    res = verify(dt, target.tree_logits(dt.tree, prefix), method=method, generator=seed + 1, **sp(n))
+    x1 = res.output_token_ids[:, 0]
+    x2 = torch.where(res.num_emitted >= 2, res.output_token_ids[:, 1], torch.full_like(x1, -1))
+    need = (res.num_emitted == 1).nonzero().flatten()
+    if need.numel():
+        k = need.numel()
+        dt2 = build(x1[need], g)
+        prefix2 = torch.full((k,), HashTarget.seq_hash(CTX))
+        res2 = verify(dt2, target.tree_logits(dt2.tree, prefix2), method=method, generator=seed + 2, **sp(k))
+        x2[need] = res2.output_token_ids[:, 0]
+    return x1, x2, res
+
+
+def _expected(params=PARAMS):
+    target = _small_target()
+    t, k, p = params["temperature"], params.get("top_k"), params.get("top_p")
+    p1 = ref_probs(target.seq_logits(CTX), t, k, p)
+    joint = torch.stack([p1[a] * ref_probs(target.seq_logits(CTX + [a]), t, k, p) for a in range(V_SMALL)])
+    return p1, joint
+
+
+def _pvalues(x1, x2, params=PARAMS):
+    p1, joint = _expected(params)
+    c1 = torch.bincount(x1, minlength=V_SMALL)
+    c12 = torch.bincount(x1 * V_SMALL + x2, minlength=V_SMALL * V_SMALL)
+    return chi2_pvalue(c1, p1), chi2_pvalue(c12, joint)
+
+
+def _build_static_topk(roots, g):
+    return build_static(kary_tree([2, 2]), roots, marginals=_drafter_marginals(roots.numel()))
+
+
+def _build_with(roots, g):
+    return build_sampled(kary_tree([3, 2]), roots, marginals=_drafter_marginals(roots.numel()), replacement=True,
+                         generator=g)
+
+
+def _build_without(roots, g):
+    return build_sampled(kary_tree([3, 2]), roots, marginals=_drafter_marginals(roots.numel()), replacement=False,
+                         generator=g)
+
+
+def test_expected_distribution_is_nontrivial():
+    p1, joint = _expected()
+    assert (p1 == 0).sum() >= 1 and (joint == 0).sum() >= 6  # top-k/top-p remove something
+    assert (p1 > 0.04).sum() >= 4
+    assert joint.sum().item() == pytest.approx(1.0, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "build,method",
+    [(_build_static_topk, "deterministic"), (_build_with, "specinfer"), (_build_without, "sequoia")],
+    ids=["deterministic", "specinfer", "sequoia"],
+)
+def test_chi_square_first_and_joint_tokens(build, method):
+    x1, x2, res = _run_two_tokens(build, method)
+    pv1, pv12 = _pvalues(x1, x2)
+    assert pv1 > 1e-4 and pv12 > 1e-4, (pv1, pv12)
+    # the trees were actually used: many drafts accepted, and deeper than one level sometimes
+    assert (res.num_emitted >= 2).float().mean() > 0.3
+    assert (res.num_emitted == 3).any()
+
+
+def test_chi_square_plain_temperature_rejection():
+    params = dict(temperature=1.0)
+    x1, x2, _ = _run_two_tokens(_build_without, "sequoia", seed=3, params=params, per_request_params=False)
+    assert min(_pvalues(x1, x2, params)) > 1e-4
+
+
+# --------------------------------------------------------------------------- negative controls
+def test_chi_square_catches_a_sampler_that_ignores_the_residual(monkeypatch):
+    monkeypatch.setattr(ver, "_residual", lambda p, q: p)
+    x1, x2, _ = _run_two_tokens(_build_with, "specinfer", n=N_DRAWS // 5)
+    assert min(_pvalues(x1, x2)) < 1e-6
+
+
+def test_chi_square_catches_the_wrong_draft_distribution_without_replacement():
+    # children drawn without replacement but verified as if i.i.d. (q instead of q minus the
+    # rejected draws). With q on two tokens the second child is forced: its true q_2 is one-hot.
+    q = torch.tensor([[0.5, 0.5, 0.0, 0.0, 0.0, 0.0], [0.15, 0.05, 0.35, 0.05, 0.30, 0.10]])
+
+    def build(roots, g):
+        return build_sampled(kary_tree([2, 1]), roots, marginals=q[None].expand(roots.numel(), 2, V_SMALL),
+                             replacement=False, generator=g)
+
+    x1, x2, _ = _run_two_tokens(build, "sequoia", n=N_DRAWS // 5)
+    assert min(_pvalues(x1, x2)) > 1e-4  # the right rule passes on this drafter
+    x1, x2, _ = _run_two_tokens(build, "specinfer", n=N_DRAWS // 5)
+    assert min(_pvalues(x1, x2)) < 1e-6
+
+
+def test_chi_square_catches_rejection_sampling_of_deterministic_children():
+    # top-k children are not draws from q: rejection sampling over them is lossy
+    def build(roots, g):
+        dt = _build_static_topk(roots, g)
+        return DraftTree(dt.tree, dt.draft_probs, dt.scores, "with_replacement", dt.child_dist_table,
+                         dt.child_dist_index)
+
+    x1, x2, _ = _run_two_tokens(build, "specinfer", n=N_DRAWS // 5)
+    assert min(_pvalues(x1, x2)) < 1e-6
+
+
+def test_chi_square_catches_ignored_top_k_top_p(monkeypatch):
+    monkeypatch.setattr(ver, "apply_top_k_top_p", lambda logits, k, p: logits)
+    x1, x2, _ = _run_two_tokens(_build_static_topk, "deterministic", n=N_DRAWS // 5)
+    assert min(_pvalues(x1, x2)) < 1e-6
+
+
+# --------------------------------------------------------------------------------- randomness
+def _fixed_sampled_batch():
+    parents = [[-1, 0, 0, 1], [-1, 0, 0, 0, 1, 2], [-1, 0]]
+    tokens = [[0, 1, 2, 3], [1, 0, 2, 3, 4, 5], [2, 4]]
+    tree = TreeBatch.from_parents(parents, tokens)
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    table = torch.rand(tree.num_nodes, V, generator=g).softmax(-1)
+    dt = DraftTree(tree, torch.ones(tree.num_nodes), torch.ones(tree.num_nodes, dtype=torch.float64),
+                   "with_replacement", table, torch.arange(tree.num_nodes))
+    logits = torch.randn(tree.num_nodes, V, generator=g)
+    return parents, tokens, dt, logits
+
+
+def test_seeded_verification_is_reproducible():
+    _, _, dt, logits = _fixed_sampled_batch()
+    for method in ("deterministic", "specinfer", "sequoia"):
+        a = verify(dt, logits, method=method, temperature=1.0, generator=123)
+        b = verify(dt, logits, method=method, temperature=1.0, generator=torch.Generator().manual_seed(123))
+        assert torch.equal(a.output_token_ids, b.output_token_ids)
+    outs = {tuple(verify(dt, logits, method="specinfer", temperature=1.0, generator=s).output_token_ids.flatten()
+                  .tolist()) for s in range(20)}
+    assert len(outs) > 1  # the seed matters
+
+
+def test_per_request_generators_do_not_depend_on_the_batch():
+    parents, tokens, dt, logits = _fixed_sampled_batch()
+    # request 1 alone, with its own generator, gives the same result as inside the batch
+    s, e = int(dt.tree.cu_nodes[1]), int(dt.tree.cu_nodes[2])
+    solo_tree = TreeBatch.from_parents([parents[1]], [tokens[1]])
+    solo = DraftTree(solo_tree, torch.ones(e - s), torch.ones(e - s, dtype=torch.float64), "with_replacement",
+                     dt.child_dist_table[s:e], torch.arange(e - s))
+    for method in ("deterministic", "specinfer"):
+        for seed in range(10):
+            full = verify(dt, logits, method=method, temperature=1.0, top_p=0.9, generator=[None, seed, 7])
+            one = verify(solo, logits[s:e], method=method, temperature=1.0, top_p=0.9, generator=[seed])
+            n = int(one.num_emitted[0])
+            assert full.tokens(1) == one.tokens(0) and int(full.num_emitted[1]) == n
+
+
+def test_argument_errors():
+    _, _, dt, logits = _fixed_sampled_batch()
+    with pytest.raises(ValueError):
+        verify_greedy(dt.tree, logits[:-1])
+    with pytest.raises(ValueError):
+        verify(dt.tree, logits, method="specinfer", temperature=1.0)
+    with pytest.raises(ValueError):
+        verify(dt, logits, method="sequoia")  # needs a temperature
+    with pytest.raises(ValueError):
+        verify_rejection(dt.tree, logits, dt.child_dist_table, torch.full((dt.tree.num_nodes,), -1),
+                         replacement=True, temperature=1.0)
+    with pytest.raises(ValueError):
+        verify(dt, logits, temperature=torch.ones(5))
