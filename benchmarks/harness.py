@@ -4,9 +4,11 @@
   written) and dense bf16 matmul rate (8192^3, random data): the floors are computed from these.
 - ``bench_ms(fn)`` is the median time of ``fn`` in milliseconds, replayed from a CUDA graph
   (``triton.testing.do_bench_cudagraph``) so that host launch overhead is out of the numbers for
-  every method alike; ``graph=False`` uses ``do_bench`` (events, L2 flushed between runs). ``bench_graph_ms(fn)`` captures one call of ``fn`` in a CUDA
-  graph first and times its replays the same way (no launch gaps; ``fn`` must be capturable:
-  no host syncs, autotuning done by the warm-up calls).
+  every method alike; ``graph=False`` uses ``do_bench`` (events, L2 flushed between runs).
+- ``bench_graph_ms(fn)`` captures one call of ``fn`` in a CUDA graph and times its replays with
+  ``do_bench`` (no launch gaps, and L2 flushed between replays, unlike ``do_bench_cudagraph``:
+  a layer's KV does not sit in L2 in a real forward); ``fn`` must be capturable (no host
+  syncs; autotuning happens in the warm-up calls).
 - ``roofline_floor_ms(nbytes, flops, ceilings)``: max(bytes / copy bandwidth, flops / matmul
   rate) in ms, and which term binds.
 - ``write_results(name, rows, extra)`` writes ``$OUT/<name>`` on the device machine, else
@@ -41,7 +43,7 @@ def bench_graph_ms(fn, warmup: int = 25, rep: int = 100, warmup_calls: int = 2) 
     with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
-    ms = bench_ms(graph.replay, warmup=warmup, rep=rep)
+    ms = bench_ms(graph.replay, warmup=warmup, rep=rep, graph=False)  # L2 flushed between replays
     del graph
     return ms
 

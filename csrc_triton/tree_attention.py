@@ -20,6 +20,9 @@ Tree attention kernel (``_tree_attn_fwd``), flash-decoding style:
     tiles run without masks; the remaining tiles (the prefix's tail and the tree) apply
     "key < prefix_len  or  bit (key - prefix_len) of anc_mask[node]";
   * online softmax in fp32 with exp2 (scale * log2 e folded into the scores);
+  * two forms, picked by the autotuner: rows (S = Q K^T, [M, keys]; on Hopper q stays in shared
+    memory as wgmma's A operand, P is the register A operand of P V) and swapped (S^T = K Q^T,
+    acc^T = V^T P^T), the usual trick for small M;
   * optional split-K over the key range (for small batches): each split writes an unnormalised
     partial (acc, m, l) in fp32 and ``_tree_attn_reduce`` merges them.
 
@@ -376,19 +379,20 @@ def _tree_attn_reduce(
 
 
 def _gpu_configs():
-    """(BLOCK_M, BLOCK_N, warps, stages, SWAP). Checked by compiling for sm_90 without a GPU:
-    all use wgmma and cp.async; the row form keeps q in registers (255 registers, small spills
-    with BLOCK_N 32), the swapped form keeps q^T in shared memory."""
+    """(BLOCK_M, BLOCK_N, warps, stages, SWAP), chosen by compiling for sm_90 on a machine without
+    a GPU (Triton 3.9, head dim 256, bf16): all use wgmma with q from shared memory and cp.async
+    gathers; registers / spill bytes: (64,32,8,3) 218/0, (128,16,8,3) 230/0, (64,16,4,3) 244/0,
+    (128,32,8,3) 255/16, (64,32,4,3) 255/32, (64,64,8,2) 255/48, swapped (64,32,4,2) 254/0.
+    Larger tiles spill hundreds of bytes or exceed 227 KB of shared memory."""
     cfgs = []
     for bm, bn, w, st, swap in [
+        (64, 32, 8, 3, False),
+        (128, 16, 8, 3, False),
+        (64, 16, 4, 3, False),
+        (128, 32, 8, 3, False),
         (64, 32, 4, 3, False),
         (64, 64, 8, 2, False),
-        (128, 32, 8, 3, False),
-        (128, 64, 8, 2, False),
-        (64, 64, 4, 3, True),
-        (64, 64, 4, 2, True),
-        (128, 64, 8, 2, True),
-        (128, 64, 8, 3, True),
+        (64, 32, 4, 2, True),
     ]:
         cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SWAP": swap}, num_warps=w, num_stages=st))
     return cfgs
@@ -396,8 +400,11 @@ def _gpu_configs():
 
 def _prune(configs, named_args, **kwargs):
     g_pad = kwargs.get("G_PAD", named_args.get("G_PAD"))
+    if kwargs.get("IEEE", named_args.get("IEEE")):
+        # fp32 inputs (correctness paths only): big fp32 tiles spill kilobytes and compile for a minute.
+        return [triton.Config({"BLOCK_M": max(16, g_pad), "BLOCK_N": 16, "SWAP": False}, num_warps=4, num_stages=1)]
     keep = [c for c in configs if c.kwargs["BLOCK_M"] >= g_pad]
-    return keep or [triton.Config({"BLOCK_M": g_pad, "BLOCK_N": 32, "SWAP": False}, num_warps=8, num_stages=2)]
+    return keep or [triton.Config({"BLOCK_M": g_pad, "BLOCK_N": 16, "SWAP": False}, num_warps=8, num_stages=2)]
 
 
 _tree_attn_fwd_tuned = triton.autotune(
