@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.tree import TreeBatch
 
 
@@ -52,12 +53,6 @@ class PendingPath:
         )
 
 
-def _use_triton(impl: str, x: torch.Tensor) -> bool:
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl: {impl!r} is not one of 'auto', 'torch', 'triton'")
-    return impl == "triton" or (impl == "auto" and x.is_cuda)
-
-
 def gdn_tree_step(
     q, k, v, g, beta, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
     *, scale: float | None = None, use_qk_l2norm: bool = True, impl: str = "auto",
@@ -69,7 +64,7 @@ def gdn_tree_step(
     """
     K = state.shape[2]
     scale = K**-0.5 if scale is None else scale
-    if _use_triton(impl, state):
+    if use_triton(impl, state):
         from csrc_triton.gdn_tree import gdn_tree_step as launch
 
         o = launch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm)
@@ -96,7 +91,7 @@ def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accept
     B, L = accepted.shape
     if L > pending.k.shape[1]:
         raise ValueError(f"accepted: paths of up to {L} nodes, pending buffer holds {pending.k.shape[1]}")
-    if _use_triton(impl, pending.k):
+    if use_triton(impl, pending.k):
         from csrc_triton.gdn_tree import stash_accepted_path as launch
 
         cast = [x.to(buf.dtype).contiguous() for x, buf in ((k, pending.k), (v, pending.v), (g, pending.g), (beta, pending.beta))]

@@ -1,0 +1,11 @@
+"""Choice between a Triton kernel and its plain-torch twin."""
+import torch
+
+IMPLS = ("auto", "torch", "triton")
+
+
+def use_triton(impl: str, x: torch.Tensor) -> bool:
+    """'triton' (CUDA, or CPU under TRITON_INTERPRET=1), 'torch', or 'auto' (triton on CUDA tensors)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: {impl!r} is not one of 'auto', 'torch', 'triton'")
+    return impl == "triton" or (impl == "auto" and x.is_cuda)
