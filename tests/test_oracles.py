@@ -14,6 +14,7 @@ monkeypatch the module globals the layer's forward looks up (undone after each t
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 
@@ -165,7 +166,7 @@ def test_attention_tree_matches_path_chains(shape):
 # ------------------------------------------------------------- 2a. GDN vs transformers and FLA
 @pytest.fixture(scope="module")
 def qwen3_next():
-    return pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    return importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
 def _gdn_chain_inputs(n, B, Hk, Hv, K, V, seed):
@@ -277,7 +278,7 @@ def test_gdn_vs_fla_fused_recurrent(gate_in_kernel):
     """FLA's fused_recurrent_gated_delta_rule, varlen over a ragged chain batch (lengths 5, 1, 12),
     native GVA (Hv = 2 Hk), initial states per sequence. With gate_in_kernel, FLA applies the
     Qwen3-Next gating (A_log, dt_bias, sigmoid beta) itself: this checks gdn_gating."""
-    pytest.importorskip("fla")
+    importlib.import_module("fla")
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     sizes, Hk, Hv, K, V = [5, 1, 12], 2, 4, 16, 8
@@ -305,7 +306,7 @@ def test_gdn_vs_fla_fused_recurrent(gate_in_kernel):
 # -------------------------------------------------------------- 2b. SSD vs transformers Mamba2
 @pytest.fixture(scope="module")
 def mamba2():
-    return pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    return importlib.import_module("transformers.models.mamba2.modeling_mamba2")
 
 
 def test_ssd_vs_transformers_mamba2_chunk_scan(mamba2):

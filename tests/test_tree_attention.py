@@ -189,19 +189,6 @@ def test_tree_attention_heads_and_tiles(Hq, Hkv, D, bs, kw, backend):
     _check_attention(case, backend, scale=scale, **kw)
 
 
-@pytest.mark.skipif(not CUDA, reason="bf16 / fp16 kernels: GPU only (the interpreter's bf16 dot is wrong)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 128, 256])
-def test_tree_attention_half_gpu(dtype, D):
-    gen = torch.Generator().manual_seed(D)
-    tree = random_tree_batch([1, 40, 64, 17], kind=["chain", "random", "deep", "wide"], generator=gen)
-    case = make_case(tree, Hq=16, Hkv=2, D=D, bs=16, dtype=dtype, seed=D)
-    _check_attention(case, "triton", tol=2e-2)
-    _check_attention(case, "triton", tol=2e-2, num_splits=4)
-    for swap in (False, True):
-        _check_attention(case, "triton", tol=2e-2, block_m=64, block_n=32, num_warps=4, num_stages=2, swap=swap)
-
-
 # ---------------------------------------------------------------------------------- compaction
 def _accepted(tree: TreeBatch, modes: list[str], gen: torch.Generator) -> torch.Tensor:
     """Accepted path per request: "root" only, the "deepest" path, the path to the "last" node
