@@ -25,28 +25,10 @@ from vllm_bole.spec_decode.builders import (
     _sample_rows_without_replacement,
 )
 from vllm_bole.spec_decode.tree import TreeBatch, TreeError
+from vllm_bole.testing.stats import chi2_pvalue
 
 
 # ----------------------------------------------------------------------------------- helpers
-def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value (torch only). Cells with expected count < 5 are pooled; any
-    draw in a zero-probability cell gives 0."""
-    observed = observed.double().flatten()
-    probs = probs.double().flatten()
-    n = observed.sum()
-    zero = probs <= 0
-    if observed[zero].sum() > 0:
-        return 0.0
-    obs, exp = observed[~zero], probs[~zero] * n
-    small = exp < 5
-    if small.any():
-        obs = torch.cat([obs[~small], obs[small].sum()[None]])
-        exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
 def request_lists(dt: DraftTree, r: int):
     s, e = int(dt.tree.cu_nodes[r]), int(dt.tree.cu_nodes[r + 1])
     return (dt.tree.parent[s:e].tolist(), dt.tree.token_ids[s:e].tolist(), dt.scores[s:e].tolist(),

@@ -24,30 +24,12 @@ from vllm_bole.spec_decode.verification import (
     verify_greedy,
     verify_rejection,
 )
+from vllm_bole.testing.stats import chi2_pvalue
 
 MOD = 2147483647
 
 
 # ----------------------------------------------------------------------------------- helpers
-def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value (torch only: regularised upper incomplete gamma). Cells with
-    expected count < 5 are pooled; any draw in a zero-probability cell gives 0."""
-    observed = observed.double().flatten()
-    probs = probs.double().flatten()
-    n = observed.sum()
-    zero = probs <= 0
-    if observed[zero].sum() > 0:
-        return 0.0
-    obs, exp = observed[~zero], probs[~zero] * n
-    small = exp < 5
-    if small.any():
-        obs = torch.cat([obs[~small], obs[small].sum()[None]])
-        exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
 def test_chi2_helper_against_known_values():
     # chi-square survival function: df=1, x=3.841 -> 0.05 ; df=10, x=23.209 -> 0.01
     for df, x, p in [(1, 3.841458820694124, 0.05), (10, 23.209251158954356, 0.01)]:
