@@ -69,7 +69,7 @@ def gdn_tree_step_kernel(
     scale,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, DP: tl.constexpr, MW: tl.constexpr, STEPS_P: tl.constexpr,
-    HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, USE_L2NORM: tl.constexpr, LOWP: tl.constexpr,
+    HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, USE_L2NORM: tl.constexpr, LOWP: tl.constexpr, INV_LOWP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // Hv
@@ -115,7 +115,7 @@ def gdn_tree_step_kernel(
         E = tl.exp(tl.where(M, G[:, None] - G[None, :], float("-inf")))
         strict = M & (o_t[:, None] != o_t[None, :])
         A = tl.where(strict, E * bt[:, None] * _mm(kt, tl.trans(kt), LOWP), 0.0)
-        T = _unit_lower_inverse(A, BT, tree_steps, BT >= 128)
+        T = _unit_lower_inverse(A, BT, tree_steps, INV_LOWP)
         QK = E * _mm(qt, tl.trans(kt), LOWP)
         eG = tl.exp(G)
 
@@ -142,7 +142,7 @@ def _squarings(max_path_len: int) -> int:
     return max(int(max_path_len - 1).bit_length() - 1, 0)
 
 
-def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, *, block_v=64, num_warps=None, num_stages=1, lowp=None):
+def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, *, block_v=64, num_warps=None, num_stages=1, lowp=None, inv_lowp=None):
     """Launch ``gdn_tree_step_kernel``; arguments as ``vllm_bole.mamba.gdn_tree.gdn_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
@@ -176,6 +176,8 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
     BV = min(block_v, V)
     if lowp is None:
         lowp = BT >= 128 or (tree is not None and v.element_size() == 2)
+    if inv_lowp is None:
+        inv_lowp = BT >= 128
     if num_warps is None:
         num_warps = 4 if BT <= 64 else 8
     kernel = gdn_tree_step_kernel[(B * Hv, V // BV)](
@@ -184,7 +186,7 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
         *pend_args,
         scale,
         Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV, DP=DP, MW=MW, STEPS_P=_squarings(P if pending is not None else 1),
-        HAS_TREE=tree is not None, HAS_PENDING=pending is not None, USE_L2NORM=use_qk_l2norm, LOWP=lowp,
+        HAS_TREE=tree is not None, HAS_PENDING=pending is not None, USE_L2NORM=use_qk_l2norm, LOWP=lowp, INV_LOWP=inv_lowp,
         num_warps=num_warps, num_stages=num_stages,
     )
     if os.environ.get("BOLE_KERNEL_STATS"):
