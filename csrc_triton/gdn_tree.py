@@ -21,12 +21,15 @@ The per-(request, head) quantities (G, A, its inverse, the masked q.k matrix) ar
 each V tile's program: that buys V / BV times more parallel programs for a few small matmuls.
 Precision: dots take bf16 operands with fp32 accumulation when the inputs are 16-bit (FLA's chunk
 kernels do the same, the state tile included) or the tree has over 64 nodes; fp32 (tf32 on
-tensor cores) otherwise. The triangular inverse stays fp32 up to 64 nodes. The plain-torch twin is ``vllm_bole.mamba.gdn_tree``.
+tensor cores) otherwise. The triangular inverse stays fp32 up to 64 nodes. The plain-torch twin is ``vllm_bole.mamba.gdn_tree``;
+the accepted-path stash is the shared ``csrc_triton.tree_common.stash_kernel``.
 """
 import os
 
 import triton
 import triton.language as tl
+
+from csrc_triton.tree_common import anc_tile
 
 
 @triton.jit
@@ -109,8 +112,7 @@ def gdn_tree_step_kernel(
         kt = _load_qk(k, rows, tm, hk, Hk, K, USE_L2NORM)
         gt = tl.load(g + rows * Hv + h, mask=tm, other=0.0).to(tl.float32)
         bt = tl.load(beta + rows * Hv + h, mask=tm, other=0.0).to(tl.float32)
-        word = tl.load(anc_mask + rows[:, None] * MW + (o_t // 32)[None, :], mask=tm[:, None] & tm[None, :], other=0)
-        M = (((word >> (o_t % 32)[None, :]) & 1) != 0) & tm[:, None] & tm[None, :]
+        M = anc_tile(anc_mask, rows, o_t, tm, MW)
         G = tl.sum(tl.where(M, gt[None, :], 0.0), axis=1)
         E = tl.exp(tl.where(M, G[:, None] - G[None, :], float("-inf")))
         strict = M & (o_t[:, None] != o_t[None, :])
@@ -192,41 +194,3 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
     if os.environ.get("BOLE_KERNEL_STATS"):
         print(f"gdn_tree_step_kernel BT={BT} DP={DP}: regs {kernel.n_regs} spills {kernel.n_spills} smem {kernel.metadata.shared}")
     return o
-
-
-@triton.jit
-def stash_kernel(k, v, g, beta, pk, pv, pg, pbeta, plen, accepted, cu_nodes, state_idx, L, P,
-                 HKK: tl.constexpr, HVV: tl.constexpr, Hv: tl.constexpr,
-                 B_HKK: tl.constexpr, B_HVV: tl.constexpr, B_HV: tl.constexpr, B_L: tl.constexpr):
-    """Program (request b, path position j): copy node accepted[b, j]'s inputs into the slot."""
-    b = tl.program_id(0)
-    j = tl.program_id(1)
-    slot = tl.load(state_idx + b).to(tl.int64)
-    node = tl.load(accepted + b * L + j)
-    if j == 0:
-        o_l = tl.arange(0, B_L)
-        acc = tl.load(accepted + b * L + o_l, mask=o_l < L, other=-1)
-        tl.store(plen + slot, tl.sum((acc >= 0).to(tl.int32), axis=0))
-    if node >= 0:
-        row = (tl.load(cu_nodes + b) + node).to(tl.int64)
-        dst = slot * P + j
-        o1 = tl.arange(0, B_HKK)
-        tl.store(pk + dst * HKK + o1, tl.load(k + row * HKK + o1, mask=o1 < HKK), mask=o1 < HKK)
-        o2 = tl.arange(0, B_HVV)
-        tl.store(pv + dst * HVV + o2, tl.load(v + row * HVV + o2, mask=o2 < HVV), mask=o2 < HVV)
-        o3 = tl.arange(0, B_HV)
-        tl.store(pg + dst * Hv + o3, tl.load(g + row * Hv + o3, mask=o3 < Hv), mask=o3 < Hv)
-        tl.store(pbeta + dst * Hv + o3, tl.load(beta + row * Hv + o3, mask=o3 < Hv), mask=o3 < Hv)
-
-
-def stash_accepted_path(pending, state_idx, tree, accepted, k, v, g, beta):
-    """Launch ``stash_kernel``; arguments as ``vllm_bole.mamba.gdn_tree.stash_accepted_path``
-    (inputs contiguous and in the pending buffers' dtypes)."""
-    B, L = accepted.shape
-    HKK, HVV, Hv = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2], v.shape[1]
-    np2 = triton.next_power_of_2
-    stash_kernel[(B, L)](
-        k, v, g, beta, pending.k, pending.v, pending.g, pending.beta, pending.length, accepted,
-        tree.cu_nodes, state_idx, L, pending.k.shape[1],
-        HKK=HKK, HVV=HVV, Hv=Hv, B_HKK=np2(HKK), B_HVV=np2(HVV), B_HV=np2(Hv), B_L=np2(L),
-    )

@@ -23,34 +23,23 @@ kernel's twin), "auto" (triton on CUDA tensors, torch otherwise).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from vllm_bole.dispatch import use_triton
+from vllm_bole.mamba import tree_common
+from vllm_bole.mamba.tree_common import live_pending, pad_nodes, padded_tree, pending_rows
 from vllm_bole.spec_decode.tree import TreeBatch
 
 
-@dataclass
-class PendingPath:
-    """Per-slot accepted paths awaiting commit: the tokens' own GDN inputs."""
-
-    k: torch.Tensor  # [S, P, Hk, K]
-    v: torch.Tensor  # [S, P, Hv, V]
-    g: torch.Tensor  # [S, P, Hv] fp32
-    beta: torch.Tensor  # [S, P, Hv] fp32
-    length: torch.Tensor  # [S] int32, 0 = nothing pending
+class PendingPath(tree_common.PendingPath):
+    """Per-slot accepted paths awaiting commit: the tokens' own GDN inputs, fields
+    k [S, P, Hk, K], v [S, P, Hv, V], g, beta [S, P, Hv] (fp32) and length [S] int32
+    (0 = nothing pending). The generic buffer and its stash are ``vllm_bole.mamba.tree_common``."""
 
     @classmethod
     def empty(cls, num_slots, max_len, Hk, Hv, K, V, dtype=torch.bfloat16, device="cpu") -> "PendingPath":
-        z = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
-        return cls(
-            k=z(num_slots, max_len, Hk, K),
-            v=z(num_slots, max_len, Hv, V),
-            g=z(num_slots, max_len, Hv, dt=torch.float32),
-            beta=z(num_slots, max_len, Hv, dt=torch.float32),
-            length=torch.zeros(num_slots, dtype=torch.int32, device=device),
-        )
+        f32 = torch.float32
+        return cls.allocate(num_slots, max_len, dict(k=((Hk, K), dtype), v=((Hv, V), dtype), g=((Hv,), f32), beta=((Hv,), f32)), device)
 
 
 def gdn_tree_step(
@@ -88,21 +77,7 @@ def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accept
     ``gdn_tree_step``. L must not exceed the pending buffer's length. Rows past a path's length
     keep stale values: every reader masks them by ``pending.length``.
     """
-    B, L = accepted.shape
-    if L > pending.k.shape[1]:
-        raise ValueError(f"accepted: paths of up to {L} nodes, pending buffer holds {pending.k.shape[1]}")
-    if use_triton(impl, pending.k):
-        from csrc_triton.gdn_tree import stash_accepted_path as launch
-
-        cast = [x.to(buf.dtype).contiguous() for x, buf in ((k, pending.k), (v, pending.v), (g, pending.g), (beta, pending.beta))]
-        return launch(pending, state_idx, tree, accepted.contiguous(), *cast)
-    valid = accepted >= 0
-    flat = torch.where(valid, accepted.long() + tree.cu_nodes[:-1, None].long(), 0)
-    slot_rows = state_idx.long()[:, None].expand(B, L)[valid]
-    pos = torch.arange(L, device=accepted.device)[None, :].expand(B, L)[valid]
-    for buf, x in ((pending.k, k), (pending.v, v), (pending.g, g), (pending.beta, beta)):
-        buf[slot_rows, pos] = x[flat[valid]].to(buf.dtype)
-    pending.length[state_idx.long()] = valid.sum(1).to(torch.int32)
+    tree_common.stash_accepted_path(pending, state_idx, tree, accepted, dict(k=k, v=v, g=g, beta=beta), impl=impl)
 
 
 # ---------------------------------------------------------------------- torch twin
@@ -136,43 +111,25 @@ def _step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk
     Hv = state.shape[1]
     dt = torch.float64 if state.dtype == torch.float64 else torch.float32
     slots = state_idx.long()
-    if pending is not None:
-        m = pending.length[slots].long()
-        P = pending.k.shape[1]
-        live = m > 0
-        if live.any():
-            sl = slots[live]
-            pos = torch.arange(P, device=m.device)
-            valid = pos[None, :] < m[live, None]  # [b, P]
-            Mc = (pos[None, :, None] >= pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
-            rows = lambda x: torch.where(  # noqa: E731  [b, P, H, X] -> [b, H, P, X], stale rows zeroed
-                valid.view(*valid.shape, *([1] * (x.dim() - 2))), x.to(dt), 0
-            ).transpose(1, 2)
-            kp = rows(_prep_qk(pending.k[sl], Hv, use_qk_l2norm, dt))
-            vp, gp, bp = rows(pending.v[sl]), rows(pending.g[sl]), rows(pending.beta[sl])
-            S = state[sl].to(dt)
-            _, d, G = closed_form(S, kp, kp, vp, gp, bp, Mc, 1.0)
-            last = (m[live] - 1)[:, None, None]
-            Gm = G.gather(-1, last.expand(-1, Hv, 1))  # [b, H, 1]
-            w = torch.where(valid[:, None, :], torch.exp(Gm - G), 0)
-            S = torch.exp(Gm)[..., None] * S + (kp * w[..., None]).transpose(-1, -2) @ d
-            state[sl] = S.to(state.dtype)
+    live = live_pending(pending, slots) if pending is not None else None
+    if live is not None:
+        sl, m, valid = live
+        P = valid.shape[1]
+        pos = torch.arange(P, device=m.device)
+        Mc = (pos[None, :, None] >= pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
+        kp = pending_rows(_prep_qk(pending.k[sl], Hv, use_qk_l2norm, dt), valid, dt)
+        vp, gp, bp = (pending_rows(x[sl], valid, dt) for x in (pending.v, pending.g, pending.beta))
+        S = state[sl].to(dt)
+        _, d, G = closed_form(S, kp, kp, vp, gp, bp, Mc, 1.0)
+        last = (m - 1)[:, None, None]
+        Gm = G.gather(-1, last.expand(-1, Hv, 1))  # [b, H, 1]
+        w = torch.where(valid[:, None, :], torch.exp(Gm - G), 0)
+        S = torch.exp(Gm)[..., None] * S + (kp * w[..., None]).transpose(-1, -2) @ d
+        state[sl] = S.to(state.dtype)
     if tree is None:
         return None
-    B, N = tree.num_requests, int(tree.nodes_per_request.max())
-    cu = tree.cu_nodes.long()
-    pos = torch.arange(N, device=cu.device)
-    valid = pos[None, :] < (cu[1:] - cu[:-1])[:, None]
-    idx = torch.where(valid, cu[:-1, None] + pos[None, :], torch.zeros_like(pos)[None, :])  # [B, N]
-    path = tree.path.long()[idx]  # [B, N, D + 1]
-    dep = tree.depth.long()[idx]  # [B, N]
-    M = (path.gather(2, dep[:, None, :].expand(B, N, N)) == pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
-
-    def pad(x):  # [T, H, X] -> [B, H, N, X] (or [T, H] -> [B, H, N]), zeros in padding
-        y = x[idx].to(dt)
-        y = torch.where(valid.view(B, N, *([1] * (y.dim() - 2))), y, torch.zeros_like(y))
-        return y.transpose(1, 2)
-
+    idx, valid, M = padded_tree(tree)
+    pad = lambda x: pad_nodes(x, idx, valid, dt)  # noqa: E731
     qb, kb = pad(_prep_qk(q, Hv, use_qk_l2norm, dt)), pad(_prep_qk(k, Hv, use_qk_l2norm, dt))
     o, _, _ = closed_form(state[slots].to(dt), qb, kb, pad(v), pad(g), pad(beta), M, scale)
     return o.transpose(1, 2)[valid].to(v.dtype)
