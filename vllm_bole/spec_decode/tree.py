@@ -237,12 +237,13 @@ class TreeBatch:
         for k, a in enumerate(ancestors):
             ok = a >= 0
             path[rows[ok], (depth - k)[ok]] = a[ok] - start[ok]
+        # ancestors of a node are distinct, so adding their bits into the words is an OR
         words = (MAX_NODES + 31) // 32
-        bits = torch.zeros(T, words * 32, dtype=torch.bool)
         ok = path >= 0
-        bits[rows[:, None].expand_as(path)[ok], path[ok]] = True
-        weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
-        packed = (bits.view(T, words, 32).long() * weights).sum(-1)
+        packed = torch.zeros(T, words, dtype=torch.int64)
+        packed.view(-1).scatter_add_(
+            0, (rows[:, None] * words + path // 32)[ok], torch.ones_like(path)[ok] << (path % 32)[ok]
+        )
         anc_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         return cls(
             token_ids=token_ids.long(),
