@@ -29,8 +29,11 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import bench_ms, device_ceilings, write_results  # noqa: E402
+from benchmarks.tree_cases import (  # noqa: E402
+    accepted_flat, finish_case, print_summary, random_trees, root_to_leaf_paths, to_device,
+)
 from vllm_bole.mamba.gdn_tree import PendingPath, gdn_tree_step, stash_accepted_path  # noqa: E402
-from vllm_bole.testing.oracles import gdn_tree_reference, random_tree_batch  # noqa: E402
+from vllm_bole.testing.oracles import gdn_tree_reference  # noqa: E402
 
 CONFIGS = {"qwen3next-80b": (16, 32, 128, 128), "qwen3next-80b-tp2": (8, 16, 128, 128)}
 
@@ -65,32 +68,17 @@ def per_node_kernel(q, k, v, g, beta, o, parent_flat, cu_nodes, states, state0, 
         tl.store(o + (i * Hv + h) * V + o_v, (tl.sum(S * qq[:, None], 0) * scale).to(o.dtype.element_ty))
 
 
-def make_case(B, N, cfg, seed, dtype=torch.bfloat16):
+def make_case(B, N, cfg, seed, dtype=torch.bfloat16, dev="cuda"):
     Hk, Hv, K, V = cfg
     gen = torch.Generator().manual_seed(seed)
-    tree = random_tree_batch([N] * B, kind="random", max_depth=16, generator=gen)
+    tree = random_trees(B, N, gen)
     T = tree.num_nodes
-    dev = "cuda"
     q = torch.randn(T, Hk, K, generator=gen).to(dev, dtype)
     k = torch.randn(T, Hk, K, generator=gen).to(dev, dtype)
     v = torch.randn(T, Hv, V, generator=gen).to(dev, dtype)
     g = (-torch.rand(T, Hv, generator=gen) * 0.3).to(dev)
     beta = torch.rand(T, Hv, generator=gen).to(dev)
-    # accepted path per request: a random node's root path (local indices), P = max depth + 1
-    par = [tree.request(r)[0] for r in range(B)]
-    P = tree.max_depth + 1
-    acc = torch.full((B, P), -1, dtype=torch.int64)
-    leaves_acc = []
-    for r in range(B):
-        i = int(torch.randint(N, (1,), generator=gen))
-        leaves_acc.append(i)
-        path = []
-        while i >= 0:
-            path.append(i)
-            i = par[r][i]
-        acc[r, : len(path)] = torch.tensor(path[::-1])
-    slots = torch.randperm(B, generator=gen).to(torch.int32)
-    return dict(tree=tree, q=q, k=k, v=v, g=g, beta=beta, acc=acc, acc_node=leaves_acc, slots=slots, P=P)
+    return finish_case(dict(q=q, k=k, v=v, g=g, beta=beta), tree, gen)
 
 
 def run_ours(c, state, pending, verify_only=False, two_pass=False):
@@ -112,34 +100,13 @@ def serial_setup(c, state):
     """Root-to-leaf paths as FLA varlen sequences."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-    tree = c["tree"]
-    B = tree.num_requests
-    rows, cu, req_of_path, acc_path = [], [0], [], []
-    for r in range(B):
-        par, _ = tree.request(r)
-        s = int(tree.cu_nodes[r])
-        is_parent = set(par)
-        for leaf in range(len(par)):
-            if leaf in is_parent:
-                continue
-            path, i = [], leaf
-            while i >= 0:
-                path.append(s + i)
-                i = par[i]
-            if c["acc_node"][r] in [p - s for p in path]:
-                acc_path.append((len(req_of_path), r))
-            rows += path[::-1]
-            cu.append(len(rows))
-            req_of_path.append(r)
-    idx = torch.tensor(rows, device="cuda")
-    cu_t = torch.tensor(cu, device="cuda")
-    req_t = c["slots_dev"].long()[torch.tensor(req_of_path, device="cuda")]
+    paths = root_to_leaf_paths(c["tree"], c["acc_node"])
+    idx = torch.tensor(paths["rows"], device="cuda")
+    cu_t = torch.tensor(paths["cu"], device="cuda")
+    req_t = c["slots_dev"].long()[torch.tensor(paths["req"], device="cuda")]
     # the slot receives the final state of a path through the accepted node (the same bytes as
     # that node's own state, which serial decoding would have to stop at)
-    first = {}
-    for pth, r in acc_path:
-        first.setdefault(r, pth)
-    acc_paths = torch.tensor([first[r] for r in range(B)], device="cuda")
+    acc_paths = torch.tensor(paths["acc_path"], device="cuda")
     slots = c["slots_dev"].long()
 
     def run():
@@ -152,7 +119,7 @@ def serial_setup(c, state):
         state[slots] = ht[acc_paths]
         return o
 
-    return run, len(rows)
+    return run, len(paths["rows"])
 
 
 def per_node_setup(c, state, cfg, block_v=32):
@@ -162,7 +129,7 @@ def per_node_setup(c, state, cfg, block_v=32):
     states = torch.empty(T, Hv, K, V, device="cuda", dtype=torch.float32)
     o = torch.empty(T, Hv, V, device="cuda", dtype=c["v"].dtype)
     pflat = tree.parent_flat.to(torch.int32)
-    acc_flat = (tree.cu_nodes[:-1].long() + torch.tensor(c["acc_node"], device="cuda"))
+    acc_flat = accepted_flat(tree, c["acc_node"], "cuda")
     slots = c["slots_dev"].long()
 
     def run():
@@ -191,18 +158,16 @@ def check_accuracy(cfg, dtype, seed=0):
     Hk, Hv, K, V = cfg
     out = {}
     for N in (8, 16, 32, 64, 128):
-        c = make_case(4, N, cfg, seed + N, dtype)
-        c["tree_dev"] = c["tree"].to("cuda")
-        slots = c["slots"].cuda()
+        c = to_device(make_case(4, N, cfg, seed + N, dtype), "cuda")
+        slots = c["slots_dev"]
         state = torch.randn(4, Hv, K, V, device="cuda")
         o = gdn_tree_step(c["q"], c["k"], c["v"], c["g"], c["beta"], c["tree_dev"], state, slots, None)
         o_ref, st_ref = gdn_tree_reference(c["tree_dev"], c["q"], c["k"], c["v"], c["g"], c["beta"], state[slots.long()])
         err_o = float((o.double() - o_ref).norm() / o_ref.norm())
         pending = PendingPath.empty(4, c["P"], Hk, Hv, K, V, dtype=dtype, device="cuda")
-        acc = c["acc"].cuda()
-        stash_accepted_path(pending, slots, c["tree_dev"], acc, c["k"], c["v"], c["g"], c["beta"])
+        stash_accepted_path(pending, slots, c["tree_dev"], c["acc_dev"], c["k"], c["v"], c["g"], c["beta"])
         gdn_tree_step(None, None, None, None, None, None, state, slots, pending)
-        want = st_ref[c["tree"].cu_nodes[:-1].long().cuda() + torch.tensor(c["acc_node"], device="cuda")]
+        want = st_ref[accepted_flat(c["tree"], c["acc_node"], "cuda")]
         err_s = float((state[slots.long()].double() - want).norm() / want.norm())
         out[N] = (err_o, err_s)
     return out
@@ -224,13 +189,10 @@ def main():
         Hk, Hv, K, V = cfg
         for B in Bs:
             for N in Ns:
-                c = make_case(B, N, cfg, seed=1000 * B + N)
-                c["tree_dev"] = c["tree"].to("cuda")
-                c["slots_dev"] = c["slots"].cuda()
-                c["acc_dev"] = c["acc"].cuda()
+                c = to_device(make_case(B, N, cfg, seed=1000 * B + N), "cuda")
                 state = torch.randn(B, Hv, K, V, device="cuda") * 0.1
                 pending = PendingPath.empty(B, c["P"], Hk, Hv, K, V, dtype=torch.bfloat16, device="cuda")
-                m_mean = float((c["acc"] >= 0).sum(1).float().mean())
+                m_mean = c["m_mean"]
                 ours = bench_ms(run_ours(c, state, pending))
                 verify_only = bench_ms(run_ours(c, state, pending, verify_only=True))
                 two_pass = bench_ms(run_ours(c, state, pending, two_pass=True))
@@ -255,11 +217,7 @@ def main():
                       f"mem {pn_bytes / ours_transient:7.1f}x", flush=True)
                 torch.cuda.empty_cache()
     write_results("gdn_tree.json", rows, extra=dict(ceilings=ceil, accuracy=acc, configs=CONFIGS))
-    print("\nconfig              B    N   ours_ms  floor_ms  x_floor  serial_x  per_node_x  mem_x")
-    for r in rows:
-        print(f"{r['config']:18s} {r['B']:4d} {r['N']:4d} {r['ours_ms']:9.4f} {r['floor_ms']:9.4f} {r['ours_ms'] / r['floor_ms']:7.2f} "
-              f"{r['serial_ms'] / r['ours_ms']:9.1f} {r['per_node_ms'] / r['ours_ms']:10.1f} "
-              f"{r['per_node_transient_bytes'] / r['ours_transient_bytes']:7.1f}")
+    print_summary(rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+"""Plumbing shared by the recurrent tree layers (Gated DeltaNet, Mamba2/SSD).
+
+* ``PendingPath``: per-slot accepted paths awaiting commit. A buffer of named per-token fields
+  (each ``[S, L, *row]``: slot, path position, one token's inputs of the layer) plus
+  ``length [S]`` int32 (0 = nothing pending). Each layer kind subclasses it with its fields and
+  an ``empty`` constructor (``vllm_bole.mamba.gdn_tree.PendingPath``: k, v, g, beta;
+  ``vllm_bole.mamba.ssd_tree.PendingPath``: x, dt, B). Fields read as attributes
+  (``pending.k``).
+* ``stash_accepted_path``: after sampling, copy the accepted nodes' rows of each field into
+  the requests' slots (one Triton launch for all fields, ``csrc_triton.tree_common``, or torch).
+* Torch-twin helpers: the padded per-request view of a ``TreeBatch`` with its ancestor-or-self
+  mask, and the padded view of the live pending paths.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_bole.dispatch import use_triton
+from vllm_bole.spec_decode.tree import TreeBatch
+
+MAX_FIELDS = 4  # fields one stash launch copies (GDN has 4, SSD 3)
+
+
+class PendingPath:
+    """Per-slot accepted paths awaiting commit: the tokens' own layer inputs, by field name."""
+
+    def __init__(self, length: torch.Tensor, **fields: torch.Tensor):
+        if not 0 < len(fields) <= MAX_FIELDS:
+            raise ValueError(f"fields: {len(fields)} given, 1 to {MAX_FIELDS} supported")
+        shapes = {tuple(t.shape[:2]) for t in fields.values()}
+        if len(shapes) != 1 or length.shape != (next(iter(shapes))[0],):
+            raise ValueError(f"fields must all be [S, L, ...] with length [S]; got {[tuple(t.shape) for t in fields.values()]}")
+        self.length = length
+        self.fields = dict(fields)
+
+    def __getattr__(self, name):
+        fields = self.__dict__.get("fields")
+        if fields is not None and name in fields:
+            return fields[name]
+        raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+
+    def __repr__(self):
+        rows = ", ".join(f"{n}={tuple(t.shape)}:{str(t.dtype).split('.')[-1]}" for n, t in self.fields.items())
+        return f"{type(self).__name__}({rows})"
+
+    @property
+    def max_len(self) -> int:
+        return next(iter(self.fields.values())).shape[1]
+
+    @classmethod
+    def allocate(cls, num_slots: int, max_len: int, rows: dict, device="cpu"):
+        """rows: name -> (row shape, dtype); buffers zeroed, lengths 0."""
+        bufs = {n: torch.zeros(num_slots, max_len, *shape, dtype=dt, device=device) for n, (shape, dt) in rows.items()}
+        return cls(torch.zeros(num_slots, dtype=torch.int32, device=device), **bufs)
+
+
+def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, inputs: dict, *, impl="auto"):
+    """Copy the accepted nodes' inputs into ``pending`` at the requests' slots.
+
+    accepted: [B, L] local node indices of each request's accepted path, root first, padded
+    with -1 (verification's output). inputs: field name -> the step's tree input [T, ...]
+    (one per field of ``pending``, cast to the field's dtype). Sets ``pending.length`` of the
+    slots to the path lengths. Rows past a path's length keep stale values: every reader masks
+    them by ``pending.length``.
+    """
+    B, L = accepted.shape
+    if set(inputs) != set(pending.fields):
+        raise ValueError(f"inputs: fields {sorted(inputs)} given, the buffer holds {sorted(pending.fields)}")
+    if L > pending.max_len:
+        raise ValueError(f"accepted: paths of up to {L} nodes, pending buffer holds {pending.max_len}")
+    pairs = [(inputs[n].to(buf.dtype).contiguous(), buf) for n, buf in pending.fields.items()]
+    if use_triton(impl, pending.length):
+        from csrc_triton.tree_common import stash_rows
+
+        return stash_rows(pairs, pending.length, state_idx, tree.cu_nodes, accepted.contiguous(), pending.max_len)
+    valid = accepted >= 0
+    flat = torch.where(valid, accepted.long() + tree.cu_nodes[:-1, None].long(), 0)
+    slot_rows = state_idx.long()[:, None].expand(B, L)[valid]
+    pos = torch.arange(L, device=accepted.device)[None, :].expand(B, L)[valid]
+    for x, buf in pairs:
+        buf[slot_rows, pos] = x[flat[valid]]
+    pending.length[state_idx.long()] = valid.sum(1).to(torch.int32)
+
+
+# ------------------------------------------------------------------------- torch-twin helpers
+def padded_tree(tree: TreeBatch):
+    """(idx [B, N] flat node of each padded position (0 in padding), valid [B, N] bool,
+    M [B, N, N] bool ancestor-or-self mask, False on padding rows and columns); N = largest tree."""
+    B, N = tree.num_requests, int(tree.nodes_per_request.max())
+    cu = tree.cu_nodes.long()
+    pos = torch.arange(N, device=cu.device)
+    valid = pos[None, :] < (cu[1:] - cu[:-1])[:, None]
+    idx = torch.where(valid, cu[:-1, None] + pos[None, :], torch.zeros_like(pos)[None, :])
+    path = tree.path.long()[idx]  # [B, N, D + 1]
+    dep = tree.depth.long()[idx]  # [B, N]
+    M = (path.gather(2, dep[:, None, :].expand(B, N, N)) == pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
+    return idx, valid, M
+
+
+def pad_nodes(x, idx, valid, dtype):
+    """[T, H, X] -> [B, H, N, X] (or [T, H] -> [B, H, N]) in ``dtype``, zeros in padding."""
+    y = x[idx].to(dtype)
+    y = torch.where(valid.view(*valid.shape, *([1] * (y.dim() - 2))), y, torch.zeros_like(y))
+    return y.transpose(1, 2)
+
+
+def live_pending(pending: PendingPath, slots):
+    """(sl [b] slots with a pending path, m [b] their lengths, valid [b, L] bool) or None."""
+    m = pending.length[slots].long()
+    live = m > 0
+    if not bool(live.any()):
+        return None
+    pos = torch.arange(pending.max_len, device=m.device)
+    return slots[live], m[live], pos[None, :] < m[live, None]
+
+
+def pending_rows(x, valid, dtype):
+    """[b, L, H, X] -> [b, H, L, X] (or [b, L, H] -> [b, H, L]) in ``dtype``, stale rows zeroed."""
+    return torch.where(valid.view(*valid.shape, *([1] * (x.dim() - 2))), x.to(dtype), 0).transpose(1, 2)
