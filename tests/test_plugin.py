@@ -43,8 +43,14 @@ def test_vllm_loads_plugin_once_per_process():
 
 
 def test_core_imports_without_vllm():
-    """Every core module (all but the plugin adapter) imports with vllm made unimportable."""
-    core = [m.name for m in pkgutil.walk_packages(vllm_bole.__path__, "vllm_bole.") if m.name != "vllm_bole.plugin"]
+    """Every core module (all but the vLLM adapter: ``vllm_bole.plugin`` and the ``vllm_bole.adapter``
+    package) imports with vllm made unimportable."""
+    core = [
+        m.name
+        for m in pkgutil.walk_packages(vllm_bole.__path__, "vllm_bole.")
+        if m.name != "vllm_bole.plugin" and not (m.name + ".").startswith("vllm_bole.adapter.")
+    ]
+    assert "vllm_bole.config" in core and not any(n.startswith("vllm_bole.adapter") for n in core)
     core += ["csrc_triton"] + [m.name for m in pkgutil.walk_packages(__import__("csrc_triton").__path__, "csrc_triton.")]
     code = (
         "import sys, importlib\n"

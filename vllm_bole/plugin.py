@@ -3,7 +3,9 @@
 process does nothing.
 
 It checks the installed vLLM against the versions this release is tested with and fails at
-start-up with a clear message otherwise. It registers only what exists so far.
+start-up with a clear message otherwise, then hands over to the adapter package
+(``vllm_bole.adapter.register``), which installs the speculative-config hook that turns
+``{"method": "bole_tree", ...}`` into vLLM's own configuration (see ``vllm_bole.adapter``).
 """
 from __future__ import annotations
 
@@ -34,5 +36,8 @@ def register() -> None:
     import vllm
 
     check_vllm_version(vllm.__version__)
+    from vllm_bole import adapter
+
+    adapter.register()
     _registered = True
     logger.info("vllm-bole %s registered (vLLM %s)", __import__("vllm_bole").__version__, vllm.__version__)
