@@ -9,6 +9,7 @@ import torch
 
 from vllm_bole.mamba.gdn_tree import PendingPath, gdn_commit_pending, gdn_tree_step, stash_accepted_path
 from vllm_bole.testing.oracles import gdn_tree_reference, make_tree_shape, random_tree_batch, tree_shapes
+from vllm_bole.testing.stats import rel_err
 
 IMPLS = ["torch", "triton"]
 Hk, Hv, K, V = 2, 4, 16, 32
@@ -30,19 +31,6 @@ def _state_cache(num_slots, gen, layout):
     return s
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
-
-
-def _path_nodes(tree, r, leaf_local):
-    p, _ = tree.request(r)
-    out, i = [], leaf_local
-    while i >= 0:
-        out.append(i)
-        i = p[i]
-    return out[::-1]
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", tree_shapes())
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -57,7 +45,7 @@ def test_verify_matches_oracle(impl, shape, layout):
     o_ref, _ = gdn_tree_reference(tree, q, k, v, g, beta, cache[slots.long()])
     o = gdn_tree_step(q, k, v, g, beta, tree, cache, slots, impl=impl)
     assert o.shape == (T, Hv, V) and torch.isfinite(o).all()
-    assert _rel(o, o_ref) < 1e-4
+    assert rel_err(o, o_ref) < 1e-4
     assert torch.equal(cache, before), "verification alone must not write the state"
 
 
@@ -85,7 +73,7 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     for r in range(B):
         n = int(tree1.nodes_per_request[r])
         leaf = int(torch.randint(n, (1,), generator=gen))
-        path = _path_nodes(tree1, r, leaf)
+        path = tree1.root_path(r, leaf)
         accepted[r, : len(path)] = torch.tensor(path)
         expect.append(st_ref[int(tree1.cu_nodes[r]) + leaf])
     stash_accepted_path(pending, slots, tree1, accepted, k, v, g, beta, impl=impl)
@@ -97,8 +85,8 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     before_untouched = cache[untouched].clone()
     o2 = gdn_tree_step(q2, k2, v2, g2, beta2, tree2, cache, slots, pending, impl=impl)
     o2_ref, _ = gdn_tree_reference(tree2, q2, k2, v2, g2, beta2, S1)
-    assert _rel(cache[slots.long()], S1) < 1e-4
-    assert _rel(o2, o2_ref) < 1e-4
+    assert rel_err(cache[slots.long()], S1) < 1e-4
+    assert rel_err(o2, o2_ref) < 1e-4
     assert torch.equal(cache[untouched], before_untouched), "slots of other requests must stay bit-identical"
     assert (pending.length[slots.long()] == 0).all()
 
@@ -122,7 +110,7 @@ def test_commit_alone_and_zero_length_paths(impl):
             expect[s] = st[-1]
     before = cache.clone()
     gdn_commit_pending(cache, slots, pending, impl=impl)
-    assert _rel(cache, expect) < 1e-4
+    assert rel_err(cache, expect) < 1e-4
     assert torch.equal(cache[4], before[4]) and torch.equal(cache[3], before[3]), "length-0 / unused slots untouched"
     assert (pending.length == 0).all()
 
@@ -135,7 +123,7 @@ def test_torch_closed_form_is_exact_in_float64():
     cache = torch.randn(tree.num_requests, Hv, K, V, generator=gen, dtype=torch.float64)
     o = gdn_tree_step(q, k, v, g, beta, tree, cache, torch.arange(tree.num_requests), impl="torch")
     o_ref, _ = gdn_tree_reference(tree, q, k, v, g, beta, cache)
-    assert _rel(o, o_ref) < 1e-10
+    assert rel_err(o, o_ref) < 1e-10
 
 
 def test_bad_impl_is_rejected():

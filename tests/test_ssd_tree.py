@@ -15,6 +15,7 @@ import torch
 from csrc_triton.ssd_tree import ssd_tree_step as triton_launch
 from vllm_bole.mamba.ssd_tree import PendingPath, ssd_commit_pending, ssd_tree_step, stash_accepted_path
 from vllm_bole.testing.oracles import make_tree_shape, random_tree_batch, ssd_tree_reference, tree_shapes
+from vllm_bole.testing.stats import rel_err
 
 IMPLS = ["torch", "triton"]
 H, P, N = 4, 24, 20
@@ -56,19 +57,6 @@ def _state_cache(num_slots, gen, layout):
     return s
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
-
-
-def _path_nodes(tree, r, leaf_local):
-    p, _ = tree.request(r)
-    out, i = [], leaf_local
-    while i >= 0:
-        out.append(i)
-        i = p[i]
-    return out[::-1]
-
-
 def _poisoned(*shape):
     return torch.full(shape, float("nan"))
 
@@ -92,7 +80,7 @@ def test_verify_matches_oracle(impl, shape):
     out = _poisoned(T, H, P)
     y = ssd_tree_step(x, dt, A, Bm, Cm, tree, cache, slots, out=out, impl=impl, **kw)
     assert y.data_ptr() == out.data_ptr() and y.shape == (T, H, P) and torch.isfinite(y).all()
-    assert _rel(y, y_ref) < 1e-4, variant
+    assert rel_err(y, y_ref) < 1e-4, variant
     assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0)), "verification alone must not write the state"
 
 
@@ -122,7 +110,7 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     for r in range(B):
         n = int(tree1.nodes_per_request[r])
         leaf = int(torch.randint(n, (1,), generator=gen))
-        path = _path_nodes(tree1, r, leaf)
+        path = tree1.root_path(r, leaf)
         accepted[r, : len(path)] = torch.tensor(path)
         expect.append(st_ref[int(tree1.cu_nodes[r]) + leaf])
     stash_accepted_path(pending, slots, tree1, accepted, x, dt, Bm, impl=impl)
@@ -134,8 +122,8 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     before_untouched = cache[untouched].clone()
     y2 = ssd_tree_step(x2, dt2, A, B2, C2, tree2, cache, slots, pending, out=_poisoned(tree2.num_nodes, H, P), impl=impl, **kw)
     y2_ref, _ = ssd_tree_reference(tree2, x2, dt2, A, B2, C2, S1, **kw)
-    assert _rel(cache[slots.long()], S1) < 1e-4
-    assert _rel(y2, y2_ref) < 1e-4
+    assert rel_err(cache[slots.long()], S1) < 1e-4
+    assert rel_err(y2, y2_ref) < 1e-4
     assert torch.equal(cache[untouched], before_untouched), "slots of other requests must stay bit-identical"
     assert (pending.length[slots.long()] == 0).all()
 
@@ -160,7 +148,7 @@ def test_commit_alone_and_zero_length_paths(impl):
             expect[s] = st[-1]
     before = cache.clone()
     ssd_commit_pending(cache, slots, pending, A, dt_bias=kw["dt_bias"], dt_softplus=True, dt_limit=kw["dt_limit"], impl=impl)
-    assert _rel(cache, expect) < 1e-4
+    assert rel_err(cache, expect) < 1e-4
     assert torch.equal(cache[4], before[4]) and torch.equal(cache[3], before[3]), "length-0 / unused slots untouched"
     assert (pending.length == 0).all()
 
@@ -180,16 +168,16 @@ def test_triton_p_tiles(Pw, Nw):
     slots = torch.arange(Bq, dtype=torch.int32)
     y_ref, st_ref = ssd_tree_reference(tree, x, dt, A, Bm, Cm, state, D=D)
     y = triton_launch(x, dt, A, Bm, Cm, tree, state, slots, None, D, None, True, (0.0, INF), block_p=16)
-    assert _rel(y, y_ref) < 1e-4
+    assert rel_err(y, y_ref) < 1e-4
     pending = PendingPath.empty(Bq, 17, H, 2, Pw, Nw, dtype=torch.float32)
     last = (tree.nodes_per_request - 1).long()
     accepted = torch.full((Bq, 17), -1, dtype=torch.int64)
     for r in range(Bq):
-        path = _path_nodes(tree, r, int(last[r]))
+        path = tree.root_path(r, int(last[r]))
         accepted[r, : len(path)] = torch.tensor(path)
     stash_accepted_path(pending, slots, tree, accepted, x, dt, Bm, impl="triton")
     triton_launch(None, None, A, None, None, None, state, slots, pending, D, None, True, (0.0, INF), block_p=16)
-    assert _rel(state, st_ref[tree.cu_nodes[:-1].long() + last]) < 1e-4
+    assert rel_err(state, st_ref[tree.cu_nodes[:-1].long() + last]) < 1e-4
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -209,7 +197,7 @@ def test_bf16_inputs_step(impl):
     _, st_ref = ssd_tree_reference(tree1, x, dt, A, Bm, Cm, cache[slots.long()], **kw)
     accepted = torch.full((B, 8), -1, dtype=torch.int64)
     for r in range(B):
-        path = _path_nodes(tree1, r, int(tree1.nodes_per_request[r]) - 1)[:8]
+        path = tree1.root_path(r, int(tree1.nodes_per_request[r]) - 1)[:8]
         accepted[r, : len(path)] = torch.tensor(path)
     stash_accepted_path(pending, slots, tree1, accepted, x, dt, Bm, impl=impl)
     last = torch.tensor([int(accepted[r][accepted[r] >= 0][-1]) for r in range(B)])
@@ -219,8 +207,8 @@ def test_bf16_inputs_step(impl):
     y2 = ssd_tree_step(x2, dt2, A, B2, C2, tree2, cache, slots, pending, impl=impl, **kw)
     y2_ref, _ = ssd_tree_reference(tree2, x2, dt2, A, B2, C2, S1, **kw)
     assert y2.dtype == torch.bfloat16
-    assert _rel(cache[slots.long()], S1) < 1e-5
-    assert _rel(y2, y2_ref) < 1e-2
+    assert rel_err(cache[slots.long()], S1) < 1e-5
+    assert rel_err(y2, y2_ref) < 1e-2
 
 
 def test_dt_options_matter():
@@ -237,7 +225,7 @@ def test_dt_options_matter():
     assert (sp < lo).any() and (sp > hi).any()
     for change in (dict(dt_limit=(lo, hi)), dict(dt_bias=None), dict(dt_softplus=False), dict(D=None)):
         y = ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, impl="torch", **{**kw, **change})
-        assert _rel(y, base) > 1e-3, change
+        assert rel_err(y, base) > 1e-3, change
 
 
 def test_torch_closed_form_is_exact_in_float64():
@@ -248,7 +236,7 @@ def test_torch_closed_form_is_exact_in_float64():
     cache = torch.randn(tree.num_requests, H, P, N, generator=gen, dtype=torch.float64)
     y = ssd_tree_step(x, dt, A, Bm, Cm, tree, cache, torch.arange(tree.num_requests), impl="torch", **kw)
     y_ref, _ = ssd_tree_reference(tree, x, dt, A, Bm, Cm, cache, **kw)
-    assert _rel(y, y_ref) < 1e-10
+    assert rel_err(y, y_ref) < 1e-10
 
 
 def test_stash_checks_fields_and_length():

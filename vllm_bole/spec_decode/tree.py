@@ -94,6 +94,11 @@ class TreeBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return TreeBatch(**{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in moved.items()})
 
+    def root_path(self, r: int, node: int) -> list[int]:
+        """Local indices of the path root .. ``node`` of request ``r`` (tests, debugging)."""
+        i = int(self.cu_nodes[r]) + node
+        return self.path[i, : int(self.depth[i]) + 1].tolist()
+
     def request(self, r: int) -> tuple[list[int], list[int]]:
         """(parents, token_ids) of request ``r`` as Python lists (tests, debugging)."""
         s, e = int(self.cu_nodes[r]), int(self.cu_nodes[r + 1])

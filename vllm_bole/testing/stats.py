@@ -1,4 +1,4 @@
-"""Statistical checks for sampling tests (torch only)."""
+"""Numeric and statistical checks for tests (torch only)."""
 import torch
 
 
@@ -19,3 +19,8 @@ def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((obs - exp) ** 2 / exp).sum()
     df = obs.numel() - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (NaN anywhere gives NaN, which fails every bound)."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
