@@ -1,0 +1,120 @@
+"""The one user-facing configuration of vllm-bole's tree speculation (engine-agnostic, pydantic).
+
+Users pass it as vLLM's speculative config, e.g.::
+
+    vllm serve MODEL --speculative-config '{"method": "bole_tree", "drafter": "ngram", "num_speculative_tokens": 16}'
+    LLM(MODEL, speculative_config={"method": "bole_tree", "drafter": "draft_model", "model": "/path/draft",
+                                   "num_speculative_tokens": 16, "max_depth": 6})
+
+Fields (every other key is refused, with the list of allowed ones):
+
+* ``method``: ``"bole_tree"`` (selects this plugin; vLLM itself does not know the name).
+* ``drafter``: ``"ngram"`` (prompt lookup over the request's own tokens) or ``"draft_model"`` (a
+  separate small model with the target's tokenizer, path in ``model``).
+* ``num_speculative_tokens``: draft-node budget per request and step (the root excluded), 1-255.
+  vLLM reserves this many KV slots per request beyond the bonus token; the tree has at most
+  ``num_speculative_tokens + 1`` nodes.
+* ``max_depth``: deepest draft node (1-64, default 8; capped at ``num_speculative_tokens``).
+* ``top_k``: candidate children per node considered by the best-first builder (default: the
+  budget, which makes the builder exact).
+* ``model``: draft model directory (``drafter: draft_model`` only; required there).
+* ``draft_dtype``: ``"auto"`` (the draft checkpoint's dtype), ``"float32"``, ``"bfloat16"``,
+  ``"float16"`` (``draft_model`` only).
+* ``prompt_lookup_min`` / ``prompt_lookup_max``: n-gram lengths matched (``ngram`` only; default
+  1 / 4; the longest length with a match wins, every match of it votes for the candidates).
+
+Errors name the field and its allowed values (:class:`ConfigError`).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
+
+METHOD = "bole_tree"
+DRAFTERS = ("ngram", "draft_model")
+
+
+class ConfigError(ValueError):
+    """An invalid vllm-bole speculative configuration; the message names the field."""
+
+
+class TreeSpecConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["bole_tree"]
+    drafter: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int = Field(ge=1, le=MAX_NODES - 1)
+    max_depth: int = Field(default=8, ge=1, le=MAX_DEPTH)
+    top_k: int | None = Field(default=None, ge=1)
+    model: str | None = None
+    draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    prompt_lookup_min: int = Field(default=1, ge=1)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TreeSpecConfig":
+        if self.drafter == "draft_model" and not self.model:
+            raise ValueError("model: required with drafter 'draft_model' (the draft model's directory or name)")
+        if self.drafter == "ngram" and self.model:
+            raise ValueError("model: only allowed with drafter 'draft_model' (drafter is 'ngram')")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min: {self.prompt_lookup_min} must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+    @property
+    def depth(self) -> int:
+        """Effective maximum depth: a tree of ``budget`` draft nodes is at most that deep."""
+        return min(self.max_depth, self.num_speculative_tokens)
+
+
+def _field_help(name: str) -> str:
+    f = TreeSpecConfig.model_fields[name]
+    ann = f.annotation
+    args = getattr(ann, "__args__", None)
+    if args and all(isinstance(a, str) for a in args):
+        return "allowed values: " + ", ".join(repr(a) for a in args)
+    lo = next((m.ge for m in f.metadata if hasattr(m, "ge")), None)
+    hi = next((m.le for m in f.metadata if hasattr(m, "le")), None)
+    if lo is not None or hi is not None:
+        return f"allowed: integer in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+    return ""
+
+
+def is_tree_spec(config: Any) -> bool:
+    """Whether a user speculative config (dict) selects vllm-bole."""
+    return isinstance(config, dict) and str(config.get("method", "")).replace("-", "_") == METHOD
+
+
+def parse_config(config: dict) -> TreeSpecConfig:
+    """Validate a user config dict (keys may use dashes); raise ConfigError naming the field."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"speculative_config: expected a JSON object, got {type(config).__name__}")
+    data = {str(k).replace("-", "_"): v for k, v in config.items()}
+    try:
+        return TreeSpecConfig(**data)
+    except ValidationError as e:
+        lines = []
+        allowed = ", ".join(TreeSpecConfig.model_fields)
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "config"
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                lines.append(f"{loc}: unknown field for method 'bole_tree' (allowed fields: {allowed})")
+                continue
+            if err["type"] == "missing":
+                hint = f" ({_field_help(loc)})" if loc in TreeSpecConfig.model_fields else ""
+                lines.append(f"{loc}: required field missing{hint}")
+                continue
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, "):]
+                lines.append(msg)
+                continue
+            hint = _field_help(loc) if loc in TreeSpecConfig.model_fields else ""
+            got = err.get("input")
+            lines.append(f"{loc}: {msg} (got {got!r})" + (f"; {hint}" if hint else ""))
+        raise ConfigError("invalid vllm-bole speculative_config: " + "; ".join(lines)) from None

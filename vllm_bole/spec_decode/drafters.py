@@ -1,0 +1,178 @@
+"""Drafters that give per-depth candidates (token, probability) to the best-first tree builder,
+and the step that turns them into per-request draft trees; used by the vLLM model runner
+(``vllm_bole.adapter.runner``). Engine-agnostic (torch; the draft model runs through transformers).
+
+A drafter sees each request's token history (prompt + accepted output; its last token is the
+tree's root, the bonus token the target has not processed yet) and returns, per depth
+``d = 0 .. D-1``, candidate tokens for the draft node at depth ``d + 1`` with their probabilities
+(:class:`Candidates`). :func:`build_draft_trees` merges the requests' candidates into one compact
+vocabulary (the union of all candidates: never a dense ``[B, D, vocab]`` tensor), runs
+:func:`vllm_bole.spec_decode.builders.build_best_first` (exact best-first under the node budget)
+and returns per-request ``(parents, tokens)`` of the draft nodes in topological order (local
+indices, root = 0, the root itself excluded from the lists).
+
+* :class:`NgramDrafter` (prompt lookup): the longest n-gram (``n_max`` down to ``n_min``) that ends
+  the history and also occurs earlier; every earlier occurrence votes for the tokens that followed
+  it, depth by depth (probability = votes / occurrences). (``vllm_bole.spec_decode.ngram`` has a
+  weighted variant used by the offline acceptance benchmarks.)
+* :class:`HFDraftModel`: a small causal LM with the target's tokenizer; greedy chain of ``D``
+  tokens (one forward over the history, then cached single-token steps; the cache is dropped after
+  each draft, so nothing needs rolling back), the top-``k`` of the
+  draft distribution at every depth are the candidates. In a best-first tree the first child of
+  every node is its most probable one, so the first-child chain from the root is the draft's greedy
+  chain; when the draft model is the target itself, greedy verification accepts all of it.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vllm_bole.spec_decode.builders import build_best_first
+
+__all__ = ["EMPTY", "Candidates", "HFDraftModel", "NgramDrafter", "build_draft_trees"]
+
+
+@dataclass
+class Candidates:
+    """Per-depth candidates of one request: ``tokens[d]`` / ``probs[d]`` (equal-length 1-D
+    tensors) for depth ``d + 1``; an empty list means no draft."""
+
+    tokens: list[torch.Tensor]
+    probs: list[torch.Tensor]
+
+    @property
+    def depth(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY = Candidates([], [])
+
+
+class NgramDrafter:
+    def __init__(self, n_min: int = 1, n_max: int = 4, max_history: int = 4096):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min ({n_min}) <= n_max ({n_max})")
+        self.n_min, self.n_max, self.max_history = n_min, n_max, max_history
+
+    def candidates(self, history: Sequence[int], depth: int) -> Candidates:
+        h = np.asarray(history[-self.max_history:], dtype=np.int64)
+        L = h.size
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            suffix = h[L - n:]
+            win = np.lib.stride_tricks.sliding_window_view(h[: L - 1], n)  # windows ending before the last token
+            starts = np.nonzero((win == suffix).all(axis=1))[0]
+            if starts.size == 0:
+                continue
+            follow = starts + n  # index of the first continuation token (< L)
+            toks, probs = [], []
+            for d in range(depth):
+                idx = follow + d
+                idx = idx[idx < L]
+                if idx.size == 0:
+                    break
+                vals, counts = np.unique(h[idx], return_counts=True)
+                toks.append(torch.from_numpy(vals))
+                probs.append(torch.from_numpy(counts / starts.size).float())
+            return Candidates(toks, probs)
+        return EMPTY
+
+
+class HFDraftModel:
+    """A transformers causal LM used as the drafter (CPU reference: no cache reuse across steps)."""
+
+    def __init__(self, path: str, dtype: str = "auto", top_k: int = 8, device="cpu"):
+        if str(device) == "cpu" and "fla" not in sys.modules:
+            # transformers picks flash-linear-attention's Triton kernels whenever it can import them
+            # (Qwen3-Next, ...); on CPU they need Triton's interpreter and its workarounds: use the torch path.
+            sys.modules["fla"] = None  # type: ignore[assignment]
+        import transformers
+
+        torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+        self.top_k = top_k
+        self.device = device
+        self._cached: bool | None = None  # None: not tried yet; False: the model's cache API is not supported
+
+    @torch.inference_mode()
+    def candidates(self, history: Sequence[int], depth: int) -> Candidates:
+        if depth <= 0:
+            return EMPTY
+        if self._cached is not False:
+            try:
+                c = self._candidates_cached(history, depth)
+                self._cached = True
+                return c
+            except Exception:  # noqa: BLE001 - a model whose cache API differs: recompute instead
+                if self._cached:
+                    raise
+                self._cached = False
+        return self._candidates_full(history, depth)
+
+    def _candidates_full(self, history, depth):
+        seq = list(history)
+        toks, probs = [], []
+        for _ in range(depth):  # one full forward per depth
+            ids = torch.tensor([seq], dtype=torch.long, device=self.device)
+            p = self.model(input_ids=ids).logits[0, -1].float().softmax(-1)
+            v, t = p.topk(min(self.top_k, p.numel()))
+            toks.append(t.cpu())
+            probs.append(v.cpu())
+            seq.append(int(t[0]))
+        return Candidates(toks, probs)
+
+    def _candidates_cached(self, history, depth):
+        """One forward over the history, then single-token steps on a fresh cache (``past_key_values``,
+        or Mamba2's ``cache_params``); the cache is dropped afterwards (nothing to roll back)."""
+        ids = torch.tensor([list(history)], dtype=torch.long, device=self.device)
+        n = ids.shape[1]
+        out = self.model(input_ids=ids, use_cache=True)
+        toks, probs = [], []
+        for d in range(depth):
+            p = out.logits[0, -1].float().softmax(-1)
+            v, t = p.topk(min(self.top_k, p.numel()))
+            toks.append(t.cpu())
+            probs.append(v.cpu())
+            if d + 1 == depth:
+                break
+            nxt = t[:1].view(1, 1)
+            pkv = getattr(out, "past_key_values", None)
+            if pkv is not None:
+                out = self.model(input_ids=nxt, past_key_values=pkv, use_cache=True)
+            else:
+                pos = torch.tensor([n + d], device=self.device)
+                out = self.model(input_ids=nxt, cache_params=out.cache_params, cache_position=pos, use_cache=True)
+        return Candidates(toks, probs)
+
+
+def build_draft_trees(
+    roots: Sequence[int], cands: Sequence[Candidates], budget, *, max_depth: int, top_k: int | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """Best-first trees from per-depth candidates. Returns per request ``(parents, tokens)`` of
+    the draft nodes (local indices, root = 0 excluded, topological order); empty lists when the
+    request has no candidates. ``budget``: draft nodes per request (int or per-request list)."""
+    B = len(roots)
+    out: list[tuple[list[int], list[int]]] = [([], []) for _ in range(B)]
+    budgets = [int(budget)] * B if isinstance(budget, int) else [int(b) for b in budget]
+    live = [r for r in range(B) if cands[r].depth > 0 and budgets[r] > 0]
+    if not live:
+        return out
+    D = min(max_depth, max(cands[r].depth for r in live))
+    vocab = torch.unique(torch.cat([t for r in live for t in cands[r].tokens[:D]]))
+    U = vocab.numel()
+    marg = torch.zeros(len(live), D, U, dtype=torch.float32)
+    for i, r in enumerate(live):
+        for d, (t, p) in enumerate(zip(cands[r].tokens[:D], cands[r].probs[:D])):
+            marg[i, d, torch.searchsorted(vocab, t)] = p.float()
+    root_local = torch.zeros(len(live), dtype=torch.long)  # the root's token plays no part in the build
+    dt = build_best_first(root_local, marg, torch.tensor([budgets[r] for r in live]), max_depth=D, top_k=top_k)
+    cu = dt.tree.cu_nodes.tolist()
+    par = dt.tree.parent.tolist()
+    tok = vocab[dt.tree.token_ids.clamp(max=U - 1)].tolist()
+    for i, r in enumerate(live):
+        s, e = cu[i], cu[i + 1]
+        out[r] = (par[s + 1 : e], tok[s + 1 : e])
+    return out
