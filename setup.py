@@ -26,6 +26,7 @@ setup(
             "pytest>=8",
             "flash-linear-attention==0.6.0",
             "tokenizers",
+            "ray>=2.40",  # the plugin is tested inside a Ray actor (vLLM's Ray executor has no CPU support)
         ],
         # GPU users: regular vLLM.
         "gpu": ["vllm>=0.33,<0.34"],
