@@ -450,3 +450,16 @@ def test_attention_vs_sdpa(shape):
         torch.testing.assert_close(o[s], v[s].repeat_interleave(Hq // Hkv, 0), rtol=0, atol=1e-12)
     o_default = attention_tree_reference(tree, q, k, v, kp, vp)
     assert not torch.allclose(o_default, o)  # scale matters (default D ** -0.5)
+
+
+def test_chi2_homogeneity_detects_a_shift():
+    from vllm_bole.testing.stats import chi2_homogeneity_pvalue
+
+    g = torch.Generator().manual_seed(3)
+    p = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.03, 0.02])
+    q = torch.tensor([0.35, 0.3, 0.25, 0.05, 0.03, 0.02])
+    a = torch.bincount(torch.multinomial(p, 4000, True, generator=g), minlength=6)
+    b = torch.bincount(torch.multinomial(p, 3000, True, generator=g), minlength=6)
+    c = torch.bincount(torch.multinomial(q, 3000, True, generator=g), minlength=6)
+    assert chi2_homogeneity_pvalue(a, b) > 1e-3
+    assert chi2_homogeneity_pvalue(a, c) < 1e-4

@@ -16,6 +16,10 @@ path is covered by ``tests/test_vllm_smoke.py``.
   transformers) proposes the greedy chain as each tree's first-child chain; greedy verification
   must accept all of it at every tree step (fp32 exactly; bf16 >= 80 %, the rest near ties between
   transformers and vLLM).
+* Sampling is lossless through the engine: seeded-engine samples of short continuations with tree
+  speculation (temperature / top-k / top-p, the target as drafter so trees are accepted often)
+  against non-speculative samples, by chi-square homogeneity tests on the whole continuation and on
+  every position; a temperature change of the same size must be detected by the same tests.
 * The n-gram drafter (rejections, partial acceptance, trees sharing batches with prefills).
 * A mixed batch with staggered arrivals, a chunked prefill beside tree decodes, a sampled request,
   a request with a presence penalty (no drafts: vLLM's path), an abort mid-generation and a request
@@ -28,6 +32,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_bole.testing import smoke_run, spec_run
+from vllm_bole.testing.stats import chi2_homogeneity_pvalue
 from vllm_bole.testing.tiny_models import ARCHS, checkpoint_dtype
 
 PROMPTS = smoke_run.PROMPTS + (
@@ -129,6 +134,59 @@ def test_ngram_greedy_equal(models, arch):
     print(f"{arch} ngram: {st['tree_steps']} tree steps ({st['mixed_tree_steps']} beside plain requests), "
           f"{st['drafted_nodes']} draft nodes, {st['accepted']} accepted, bf16 partings {partings}")
     assert st["tree_steps"] >= 10 and st["mixed_tree_steps"] >= 1
+
+
+SAMPLED = {  # arch -> sampling parameters of the distribution test
+    "llama": dict(temperature=1.0, top_k=4),
+    "nemotron_h": dict(temperature=0.8, top_p=0.7),
+    # bf16 Qwen3-Next: temperature only. Hard top-k / top-p boundaries turn bf16 rounding into support
+    # changes at near ties on this chaotic tiny model (measured: vLLM's own bf16 samples with top_k=3 sit at a
+    # total variation of 0.13 from the same checkpoint run in fp32, ours at 0.17; both far outside sampling
+    # noise), which no sampling test can attribute; without hard boundaries bf16 rounding moves
+    # probabilities only slightly.
+    "qwen3_next": dict(temperature=0.7),
+}
+NUM_SAMPLES, SAMPLE_TOKENS = 800, 5
+
+
+def _homogeneity(a: list[list[int]], b: list[list[int]]) -> dict:
+    """p-values of chi-square homogeneity tests: whole continuations, then each position."""
+    import torch
+
+    out = {}
+    keys = [("seq", lambda t: tuple(t))] + [(f"pos{i}", lambda t, i=i: t[i]) for i in range(SAMPLE_TOKENS)]
+    for name, key in keys:
+        cats = sorted({key(t) for t in a} | {key(t) for t in b})
+        ix = {c: i for i, c in enumerate(cats)}
+        ca, cb = torch.zeros(len(cats)), torch.zeros(len(cats))
+        for t in a:
+            ca[ix[key(t)]] += 1
+        for t in b:
+            cb[ix[key(t)]] += 1
+        out[name] = chi2_homogeneity_pvalue(ca, cb)
+    return out
+
+
+@pytest.mark.parametrize("arch", list(SAMPLED))
+def test_sampling_distribution_equal(models, arch):
+    """Tree speculation leaves the sampled distribution unchanged (see the module docstring)."""
+    m = models[arch]
+    prompt = smoke_run.prompt_token_ids(m, PROMPTS[:1])[0]
+    sp = dict(SAMPLED[arch], max_tokens=SAMPLE_TOKENS)
+    colder = dict(sp, temperature=sp["temperature"] * 0.6)  # the power control
+    kw = dict(llm_kwargs=dict(max_num_seqs=64))
+    base = spec_run.run_spec(m, [prompt] * (2 * NUM_SAMPLES), SAMPLE_TOKENS,
+                             sampling=[sp] * NUM_SAMPLES + [colder] * NUM_SAMPLES, **kw)
+    ours = spec_run.run_spec(m, [prompt] * NUM_SAMPLES, SAMPLE_TOKENS, sampling=sp, spec=_spec("draft_model", m), **kw)
+    ref, control = base["tokens"][:NUM_SAMPLES], base["tokens"][NUM_SAMPLES:]
+    assert all(len(t) == SAMPLE_TOKENS for t in ours["tokens"])
+    same, power = _homogeneity(ref, ours["tokens"]), _homogeneity(ref, control)
+    st = ours["stats"]
+    print(f"{arch}: ours vs non-spec p {same}; colder control p {power}; {st['verified_requests']} trees, "
+          f"{st['accepted']} accepted draft tokens")
+    assert st["accepted"] >= NUM_SAMPLES  # most continuations took draft tokens from verified trees
+    assert min(same.values()) > 1e-4, same  # 6 tests, fixed engine seeds: a false alarm is < 1e-3
+    assert min(power.values()) < 1e-6, power
 
 
 def _mixed_requests(prompts, long_prompt, abort: bool):

@@ -30,10 +30,11 @@ ENGINE_TIMEOUT_S = 400
 
 
 def run_spec(model_dir, prompts, max_tokens: int = 64, *, spec: dict | None = None, scenario: str = "generate",
-             requests: list | None = None, logprobs: int | None = None, sampling: dict | None = None,
+             requests: list | None = None, logprobs: int | None = None, sampling: dict | list | None = None,
              llm_kwargs: dict | None = None, multiprocessing: bool = False, timeout: float = ENGINE_TIMEOUT_S,
              env: dict | None = None) -> dict:
-    """One engine in a subprocess. ``spec``: the user speculative config (None: no speculation)."""
+    """One engine in a subprocess. ``spec``: the user speculative config (None: no speculation);
+    ``sampling``: extra ``SamplingParams`` fields for every prompt, or a list of them, one per prompt."""
     model_dir = Path(model_dir)
     with tempfile.TemporaryDirectory(prefix="vllm_bole_spec") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
@@ -147,11 +148,15 @@ def _stats(llm, req):
 def _generate(llm, req) -> dict:
     from vllm import SamplingParams
 
-    sp = dict(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
-    sp.update(req["sampling"])
-    if req["logprobs"]:
-        sp["logprobs"] = req["logprobs"]
-    outs = llm.generate([dict(prompt_token_ids=p) for p in req["prompts"]], SamplingParams(**sp), use_tqdm=False)
+    per_prompt = req["sampling"] if isinstance(req["sampling"], list) else [req["sampling"]] * len(req["prompts"])
+    params = []
+    for extra in per_prompt:
+        sp = dict(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
+        sp.update(extra)
+        if req["logprobs"]:
+            sp["logprobs"] = req["logprobs"]
+        params.append(SamplingParams(**sp))
+    outs = llm.generate([dict(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
     tokens, top = [], []
     for o in outs:
         c = o.outputs[0]

@@ -21,6 +21,28 @@ def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
+def chi2_homogeneity_pvalue(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
+    """Pearson chi-square test that two samples of categorical outcomes (``counts_a``, ``counts_b``:
+    per-category counts, same categories) come from one distribution (2 x K contingency table).
+    Categories with an expected count < 5 in either row are pooled into one."""
+    a, b = counts_a.double().flatten(), counts_b.double().flatten()
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    na, nb = a.sum(), b.sum()
+    col = a + b
+    small = (col * torch.minimum(na, nb) / (na + nb)) < 5
+    if small.any():
+        a = torch.cat([a[~small], a[small].sum()[None]])
+        b = torch.cat([b[~small], b[small].sum()[None]])
+        col = a + b
+    if col.numel() < 2:
+        return 1.0
+    ea, eb = col * na / (na + nb), col * nb / (na + nb)
+    stat = ((a - ea) ** 2 / ea).sum() + ((b - eb) ** 2 / eb).sum()
+    df = col.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (NaN anywhere gives NaN, which fails every bound)."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
