@@ -157,6 +157,7 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
     Hv, K, V = state.shape[1:]
     B = state_idx.numel()
     if tree is not None:
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))  # dense rows assumed (no copy if they are)
         Hk = k.shape[1]
         T = q.shape[0]
         BT = max(16, triton.next_power_of_2(tree.max_nodes))

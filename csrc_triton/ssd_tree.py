@@ -135,6 +135,7 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     A = f32(A)
     if tree is not None:
+        x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))  # the kernel assumes dense rows (no copy if they are)
         G = B.shape[1]
         T = x.shape[0]
         BT = max(16, triton.next_power_of_2(tree.max_nodes))

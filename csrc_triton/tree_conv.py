@@ -74,6 +74,7 @@ def conv_commit_kernel(x, conv_state, state_idx, cu_nodes, depth, path, last_nod
 def tree_conv(x, weight, bias, conv_state, state_idx, tree, silu, block_c=128):
     import torch
 
+    x, weight = x.contiguous(), weight.contiguous()  # dense rows assumed (no copy if they are)
     T, C = x.shape
     W = weight.shape[-1]
     y = torch.empty_like(x)
@@ -86,6 +87,7 @@ def tree_conv(x, weight, bias, conv_state, state_idx, tree, silu, block_c=128):
 
 
 def commit_conv_state(conv_state, state_idx, tree, last_node, x, block_c=128):
+    x = x.contiguous()
     C = x.shape[1]
     W = conv_state.shape[2] + 1
     conv_commit_kernel[(state_idx.numel(), triton.cdiv(C, block_c))](

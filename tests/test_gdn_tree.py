@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_bole.mamba.gdn_tree import PendingPath, gdn_commit_pending, gdn_tree_step, stash_accepted_path
-from vllm_bole.testing.oracles import gdn_tree_reference, make_tree_shape, random_tree_batch, tree_shapes
+from vllm_bole.testing.oracles import gdn_tree_reference, make_tree_shape, random_tree_batch, strided, tree_shapes
 from vllm_bole.testing.stats import rel_err
 
 IMPLS = ["torch", "triton"]
@@ -43,6 +43,8 @@ def test_verify_matches_oracle(impl, shape, layout):
     slots = torch.randperm(B + 3, generator=gen)[:B].to(torch.int32)
     before = cache.clone()
     o_ref, _ = gdn_tree_reference(tree, q, k, v, g, beta, cache[slots.long()])
+    if layout == "vk":  # and inputs as non-contiguous slices, as vLLM's fused projections give them
+        q, k, v, g, beta = (strided(x) for x in (q, k, v, g, beta))
     o = gdn_tree_step(q, k, v, g, beta, tree, cache, slots, impl=impl)
     assert o.shape == (T, Hv, V) and torch.isfinite(o).all()
     assert rel_err(o, o_ref) < 1e-4

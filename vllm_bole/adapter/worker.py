@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
+from vllm_bole.adapter.config_hook import ADDITIONAL_KEY, V2_ENV
 from vllm_bole.adapter.runner import TreeRunnerMixin
 from vllm_bole.config import TreeSpecConfig
 
-ADDITIONAL_KEY = "vllm_bole"
 
 
 def tree_config_of(vllm_config) -> TreeSpecConfig:
@@ -96,13 +97,23 @@ try:
     BoleGPUModelRunner = _runner_class(GPUModelRunner)
 
     class BoleGPUWorker(_GPUWorker):
-        """GPU worker: forces vLLM's V1 model runner (the V2 runner has no hook for tree steps).
-        The CPU engine is where this plugin is tested; on GPU the layer overrides refuse attention
-        backends other than the CPU one at start-up (clear error, never a silent fallback)."""
+        """GPU worker: runs vLLM's V1 model runner (the V2 runner, vLLM 0.33's default on GPU, has no
+        hook for tree steps). The engine config already resolves to V1 (vLLM's V2 runner does not
+        take ``custom_class`` speculation); the model-side config has no speculative config, so
+        ``VLLM_USE_V2_MODEL_RUNNER=0`` (set by the config hook, inherited by the workers) keeps it on V1
+        too: layers and metadata builders read that property. Not run end to end here (no vLLM on
+        the GPU machine); see the README."""
 
         def __init__(self, vllm_config, *args, **kwargs):
             tree_config_of(vllm_config)
-            super().__init__(model_side_config(vllm_config), *args, **kwargs)
+            os.environ.setdefault(V2_ENV, "0")
+            cfg = model_side_config(vllm_config)
+            if cfg.use_v2_model_runner:
+                raise RuntimeError(
+                    f"vllm-bole: vLLM selected its V2 model runner for the model side ({V2_ENV}="
+                    f"{os.environ.get(V2_ENV)!r}); tree speculation runs on the V1 runner: set {V2_ENV}=0"
+                )
+            super().__init__(cfg, *args, **kwargs)
             self.use_v2_model_runner = False
 
         def _make_model_runner(self):

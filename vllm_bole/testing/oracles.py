@@ -235,6 +235,13 @@ def attention_tree_reference(tree, q, k, v, k_prefix, v_prefix, *, scale=None):
 TREE_KINDS = ("random", "chain", "star", "deep", "wide")
 
 
+def strided(t: Tensor) -> Tensor:
+    """A non-contiguous view holding ``t``'s values (rows padded in memory), as the slices of a fused
+    projection that vLLM hands to the layers."""
+    wide = torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)
+    return wide[..., : t.shape[-1]]
+
+
 def chain_tree(n: int, batch: int = 1) -> TreeBatch:
     """``batch`` requests, each a chain of ``n`` nodes (root included); token ids are 0."""
     return TreeBatch.from_parents([list(range(-1, n - 1))] * batch)
