@@ -15,7 +15,9 @@ fields:
 * ``async_scheduling`` -> off (drafts depend on the accepted tokens of the step);
 * ``enable_prefix_caching`` -> off unless set explicitly (vLLM's CPU hybrid path needs that);
 * on GPU, ``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment (the workers inherit it): the tree
-  runner hooks vLLM's V1 model runner, and vLLM 0.33 defaults to V2 on GPU;
+  runner hooks vLLM's V1 model runner, and vLLM 0.33 defaults to V2 on GPU; and
+  ``enforce_eager=True`` (logged): the GPU path is wired but has not run inside vLLM (no vLLM on our
+  GPU machine), so CUDA graphs and torch.compile around tree steps stay off until it has;
 * ``additional_config["vllm_bole"]`` -> the validated settings, which travel to every worker.
 
 Conflicting explicit settings (a user ``worker_cls``, ``async_scheduling=True``) fail with a
@@ -62,6 +64,10 @@ def apply_to_engine_args(args) -> None:
             raise ConfigError(f"{V2_ENV}: {os.environ[V2_ENV]!r} selects vLLM's V2 model runner; method 'bole_tree' "
                               f"runs on the V1 runner: unset it or set it to 0")
         os.environ[V2_ENV] = "0"  # inherited by the workers (their model-side config has no speculation)
+        if not args.enforce_eager:
+            logger.warning("vllm-bole: enforce_eager=True on GPU (CUDA graphs / torch.compile with tree steps are "
+                           "not verified: vLLM does not run on our GPU machine)")
+            args.enforce_eager = True
     args.worker_cls = worker
     args.async_scheduling = False
     if args.enable_prefix_caching is None:

@@ -114,7 +114,7 @@ class TreeRunnerMixin:
         cfg = self.bole_config
         if cfg.drafter == "draft_model" and self._bole_drafter is None:
             top_k = cfg.top_k or cfg.num_speculative_tokens
-            self._bole_drafter = HFDraftModel(cfg.model, cfg.draft_dtype, top_k=min(top_k, 64))
+            self._bole_drafter = HFDraftModel(cfg.model, cfg.draft_dtype, top_k=min(top_k, 64), device=self.device)
 
     def _bole_install_layers(self, refresh: bool = False) -> None:
         """Wrap every attention / recurrent layer of the loaded model (once KV caches are bound) and
