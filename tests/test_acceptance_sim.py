@@ -251,6 +251,23 @@ def test_ngram_prompt_lookup_copies_a_repeated_phrase():
     assert tok.shape == (2, 5, 2) and (tok[1] == -1).all() and (prob[1] == 0).all()
 
 
+def test_ngram_candidates_for_the_tree_runner():
+    """The runner's view of a proposal: per depth the non-padding candidates, most probable first,
+    cut at the first depth without one."""
+    dr = NgramDrafter(1, 4, top_k=3)
+    ctx = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]  # root 6: "5 6" continued by 7 twice, then 8 or 9
+    c = dr.candidates(ctx, 10)
+    prop = dr.propose(ctx, 10)
+    assert c.depth == 8  # the earliest match's continuation ends with the context; depths 9, 10 are padding
+    assert (prop.tokens[8:] == -1).all()
+    assert c.tokens[0].tolist() == [7] and sorted(c.tokens[1].tolist()) == [8, 9]
+    for d in range(c.depth):
+        k = c.tokens[d].numel()
+        assert torch.equal(c.tokens[d], prop.tokens[d, :k]) and torch.equal(c.probs[d], prop.probs[d, :k])
+        assert (prop.tokens[d, k:] == -1).all()
+    assert dr.candidates([1, 2, 3], 3).depth == 0
+
+
 def test_ngram_window_and_no_match():
     dr = NgramDrafter(2, 3, top_k=4, window=4)
     assert (dr.propose([5, 6, 7, 5, 6, 9, 9, 5, 6], 3).tokens == -1).all()  # match outside the window

@@ -271,3 +271,14 @@ def test_compaction_then_attention_equals_chain(backend):
         backend=backend,
     )
     torch.testing.assert_close(out_chain.cpu(), out_tree[flat.to(q.device)].cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_backend_is_rejected():
+    tree = TreeBatch.from_parents([[-1, 0]], [[1, 2]])
+    cache = torch.zeros(2, 16, 1, 8)
+    with pytest.raises(ValueError, match="backend: 'cuda' is not one of"):
+        tree_attention(torch.zeros(2, 1, 8), cache, cache, torch.zeros(1, 2, dtype=torch.int32),
+                       torch.zeros(1, dtype=torch.int32), tree, backend="cuda")
+    with pytest.raises(ValueError, match="backend: 'cuda' is not one of"):
+        compact_accepted_kv(cache, cache, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                            torch.tensor([[0, 1]], dtype=torch.int32), backend="cuda")

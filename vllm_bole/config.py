@@ -20,8 +20,9 @@ Fields (every other key is refused, with the list of allowed ones):
 * ``model``: draft model directory (``drafter: draft_model`` only; required there).
 * ``draft_dtype``: ``"auto"`` (the draft checkpoint's dtype), ``"float32"``, ``"bfloat16"``,
   ``"float16"`` (``draft_model`` only).
-* ``prompt_lookup_min`` / ``prompt_lookup_max``: n-gram lengths matched (``ngram`` only; default
-  1 / 4; the longest length with a match wins, every match of it votes for the candidates).
+* ``prompt_lookup_min`` / ``prompt_lookup_max``: suffix lengths matched (``ngram`` only; default
+  1 / 4): every earlier occurrence of the context's last ``n`` tokens votes, with weight ``4 ** n``,
+  for what followed it (``vllm_bole.spec_decode.ngram``).
 * ``kernels``: ``"auto"`` (default: the Triton kernels on CUDA, their torch twins on CPU),
   ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests). Full-attention
   layers on vLLM's CPU backend always use the torch path: that backend stores keys transposed

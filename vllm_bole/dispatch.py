@@ -4,8 +4,9 @@ import torch
 IMPLS = ("auto", "torch", "triton")
 
 
-def use_triton(impl: str, x: torch.Tensor) -> bool:
-    """'triton' (CUDA, or CPU under TRITON_INTERPRET=1), 'torch', or 'auto' (triton on CUDA tensors)."""
+def use_triton(impl: str, x: torch.Tensor, field: str = "impl") -> bool:
+    """'triton' (CUDA, or CPU under TRITON_INTERPRET=1), 'torch', or 'auto' (triton on CUDA tensors).
+    ``field`` names the argument in the error."""
     if impl not in IMPLS:
-        raise ValueError(f"impl: {impl!r} is not one of 'auto', 'torch', 'triton'")
+        raise ValueError(f"{field}: {impl!r} is not one of 'auto', 'torch', 'triton'")
     return impl == "triton" or (impl == "auto" and x.is_cuda)

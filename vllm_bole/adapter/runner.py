@@ -45,11 +45,14 @@ from vllm_bole.attention.tree_attention import compact_accepted_kv, tree_slot_ma
 from vllm_bole.config import TreeSpecConfig
 from vllm_bole.mamba.tree_conv import commit_conv_state
 from vllm_bole.mamba import gdn_tree, ssd_tree
-from vllm_bole.spec_decode.drafters import EMPTY, HFDraftModel, NgramDrafter, build_draft_trees
+from vllm_bole.spec_decode.candidates import EMPTY
+from vllm_bole.spec_decode.drafters import HFDraftModel, build_draft_trees
+from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.spec_decode.verification import SAMPLING_EPS, verify_deterministic, verify_greedy
 
 logger = logging.getLogger("vllm_bole")
+NGRAM_WINDOW = 4096  # context tokens the n-gram drafter searches (the most recent)
 
 
 def _supports_tree(sp) -> bool:
@@ -106,7 +109,9 @@ class TreeRunnerMixin:
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
         if config.drafter == "ngram":
-            self._bole_drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+            self._bole_drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max,
+                                              top_k=min(config.top_k or config.num_speculative_tokens, 64),
+                                              window=NGRAM_WINDOW)
         else:
             self._bole_drafter = None  # loaded in load_model (needs the worker's process)
 

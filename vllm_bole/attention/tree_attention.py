@@ -41,6 +41,8 @@ from typing import Sequence
 
 import torch
 
+from vllm_bole.dispatch import use_triton
+
 __all__ = [
     "tree_positions",
     "tree_slot_mapping",
@@ -142,12 +144,8 @@ def tree_attention(
     T, Hq, D = q.shape
     if scale is None:
         scale = D**-0.5
-    if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
-    if backend == "torch":
+    if not use_triton(backend, q, "backend"):
         return tree_attention_torch(q, key_cache, value_cache, block_table, prefix_len, tree, scale=scale, out=out)
-    if backend != "triton":
-        raise ValueError(f"backend {backend!r}: expected 'auto', 'triton' or 'torch'")
     if out is None:
         out = torch.empty_like(q)
     cu = tree.cu_nodes
@@ -248,12 +246,8 @@ def compact_accepted_kv(
     key_caches, value_caches = list(key_caches), list(value_caches)
     if len(key_caches) != len(value_caches) or not key_caches:
         raise ValueError("need one value cache per key cache, at least one layer")
-    if backend == "auto":
-        backend = "triton" if key_caches[0].is_cuda else "torch"
-    if backend == "torch":
+    if not use_triton(backend, key_caches[0], "backend"):
         return compact_accepted_kv_torch(key_caches, value_caches, block_table, prefix_len, accepted)
-    if backend != "triton":
-        raise ValueError(f"backend {backend!r}: expected 'auto', 'triton' or 'torch'")
     _kernels().compact_accepted_kv_triton(key_caches, value_caches, block_table, prefix_len, accepted, offsets)
 
 

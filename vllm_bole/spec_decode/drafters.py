@@ -11,10 +11,9 @@ vocabulary (the union of all candidates: never a dense ``[B, D, vocab]`` tensor)
 and returns per-request ``(parents, tokens)`` of the draft nodes in topological order (local
 indices, root = 0, the root itself excluded from the lists).
 
-* :class:`NgramDrafter` (prompt lookup): the longest n-gram (``n_max`` down to ``n_min``) that ends
-  the history and also occurs earlier; every earlier occurrence votes for the tokens that followed
-  it, depth by depth (probability = votes / occurrences). (``vllm_bole.spec_decode.ngram`` has a
-  weighted variant used by the offline acceptance benchmarks.)
+* :class:`vllm_bole.spec_decode.ngram.NgramDrafter` (prompt lookup): earlier occurrences of the
+  history's suffix vote, weighted by match length, for what followed them, depth by depth (the
+  same drafter the offline acceptance benchmark measures).
 * :class:`HFDraftModel`: a small causal LM with the target's tokenizer; greedy chain of ``D``
   tokens (one forward over the history, then cached single-token steps; the cache is dropped after
   each draft, so nothing needs rolling back), the top-``k`` of the
@@ -25,60 +24,14 @@ indices, root = 0, the root itself excluded from the lists).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from vllm_bole.spec_decode.builders import build_best_first
+from vllm_bole.spec_decode.candidates import EMPTY, Candidates
 
-__all__ = ["EMPTY", "Candidates", "HFDraftModel", "NgramDrafter", "build_draft_trees"]
-
-
-@dataclass
-class Candidates:
-    """Per-depth candidates of one request: ``tokens[d]`` / ``probs[d]`` (equal-length 1-D
-    tensors) for depth ``d + 1``; an empty list means no draft."""
-
-    tokens: list[torch.Tensor]
-    probs: list[torch.Tensor]
-
-    @property
-    def depth(self) -> int:
-        return len(self.tokens)
-
-
-EMPTY = Candidates([], [])
-
-
-class NgramDrafter:
-    def __init__(self, n_min: int = 1, n_max: int = 4, max_history: int = 4096):
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"need 1 <= n_min ({n_min}) <= n_max ({n_max})")
-        self.n_min, self.n_max, self.max_history = n_min, n_max, max_history
-
-    def candidates(self, history: Sequence[int], depth: int) -> Candidates:
-        h = np.asarray(history[-self.max_history:], dtype=np.int64)
-        L = h.size
-        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            suffix = h[L - n:]
-            win = np.lib.stride_tricks.sliding_window_view(h[: L - 1], n)  # windows ending before the last token
-            starts = np.nonzero((win == suffix).all(axis=1))[0]
-            if starts.size == 0:
-                continue
-            follow = starts + n  # index of the first continuation token (< L)
-            toks, probs = [], []
-            for d in range(depth):
-                idx = follow + d
-                idx = idx[idx < L]
-                if idx.size == 0:
-                    break
-                vals, counts = np.unique(h[idx], return_counts=True)
-                toks.append(torch.from_numpy(vals))
-                probs.append(torch.from_numpy(counts / starts.size).float())
-            return Candidates(toks, probs)
-        return EMPTY
+__all__ = ["HFDraftModel", "build_draft_trees"]
 
 
 class HFDraftModel:

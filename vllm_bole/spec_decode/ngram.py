@@ -30,6 +30,8 @@ from typing import Sequence
 
 import torch
 
+from vllm_bole.spec_decode.candidates import Candidates
+
 __all__ = ["NgramDrafter", "NgramProposal", "proposals_to_marginals", "suffix_match_lengths"]
 
 
@@ -122,6 +124,19 @@ class NgramDrafter:
         tokens[gdep[keep], rank[keep]] = gtok[keep]
         probs[gdep[keep], rank[keep]] = gp[keep].float()
         return NgramProposal(tokens, probs, int(js.numel()), int(ell.max()))
+
+    def candidates(self, history: Sequence[int] | torch.Tensor, depth: int) -> Candidates:
+        """:meth:`propose` as the tree runner's per-depth :class:`Candidates` (padding dropped; stops at
+        the first depth without a candidate)."""
+        p = self.propose(history, depth)
+        toks, probs = [], []
+        for d in range(p.depth):
+            keep = p.tokens[d] >= 0
+            if not bool(keep.any()):
+                break
+            toks.append(p.tokens[d][keep])
+            probs.append(p.probs[d][keep])
+        return Candidates(toks, probs)
 
     def propose_batch(self, contexts: Sequence[Sequence[int] | torch.Tensor], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens [B, D, K], probs [B, D, K])`` for a batch of contexts."""
