@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_bole.mamba.gdn_tree import PendingPath, gdn_commit_pending, gdn_tree_step, stash_accepted_path
-from vllm_bole.testing.oracles import gdn_tree_reference, make_tree_shape, random_tree_batch, strided, tree_shapes
+from vllm_bole.testing.oracles import random_accepted_paths, gdn_tree_reference, make_tree_shape, random_tree_batch, strided, tree_shapes
 from vllm_bole.testing.stats import rel_err
 
 IMPLS = ["torch", "triton"]
@@ -69,18 +69,10 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     S0 = cache[slots.long()].clone()
     _, st_ref = gdn_tree_reference(tree1, q, k, v, g, beta, S0)
     gdn_tree_step(q, k, v, g, beta, tree1, cache, slots, pending, impl=impl)
-    # accept a random node of each request (its whole root path)
-    accepted = torch.full((B, 17), -1, dtype=torch.int64)
-    expect = []
-    for r in range(B):
-        n = int(tree1.nodes_per_request[r])
-        leaf = int(torch.randint(n, (1,), generator=gen))
-        path = tree1.root_path(r, leaf)
-        accepted[r, : len(path)] = torch.tensor(path)
-        expect.append(st_ref[int(tree1.cu_nodes[r]) + leaf])
+    accepted, last = random_accepted_paths(tree1, 17, gen)
     stash_accepted_path(pending, slots, tree1, accepted, k, v, g, beta, impl=impl)
     assert pending.length[slots.long()].tolist() == (accepted >= 0).sum(1).tolist()
-    S1 = torch.stack(expect)
+    S1 = st_ref[last]
     # step 2 on a new tree: commit + verify in one call
     tree2 = random_tree_batch([int(torch.randint(1, 20, (1,), generator=gen)) for _ in range(B)], generator=gen)
     q2, k2, v2, g2, beta2 = _inputs(tree2.num_nodes, gen)

@@ -14,7 +14,7 @@ import torch
 
 from csrc_triton.ssd_tree import ssd_tree_step as triton_launch
 from vllm_bole.mamba.ssd_tree import PendingPath, ssd_commit_pending, ssd_tree_step, stash_accepted_path
-from vllm_bole.testing.oracles import make_tree_shape, random_tree_batch, ssd_tree_reference, strided, tree_shapes
+from vllm_bole.testing.oracles import random_accepted_paths, make_tree_shape, random_tree_batch, ssd_tree_reference, strided, tree_shapes
 from vllm_bole.testing.stats import rel_err
 
 IMPLS = ["torch", "triton"]
@@ -107,17 +107,10 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     S0 = cache[slots.long()].clone()
     _, st_ref = ssd_tree_reference(tree1, x, dt, A, Bm, Cm, S0, **kw)
     ssd_tree_step(x, dt, A, Bm, Cm, tree1, cache, slots, pending, impl=impl, **kw)
-    accepted = torch.full((B, 17), -1, dtype=torch.int64)
-    expect = []
-    for r in range(B):
-        n = int(tree1.nodes_per_request[r])
-        leaf = int(torch.randint(n, (1,), generator=gen))
-        path = tree1.root_path(r, leaf)
-        accepted[r, : len(path)] = torch.tensor(path)
-        expect.append(st_ref[int(tree1.cu_nodes[r]) + leaf])
+    accepted, last = random_accepted_paths(tree1, 17, gen)
     stash_accepted_path(pending, slots, tree1, accepted, x, dt, Bm, impl=impl)
     assert pending.length[slots.long()].tolist() == (accepted >= 0).sum(1).tolist()
-    S1 = torch.stack(expect)
+    S1 = st_ref[last]
     # step 2 on a new tree (root-only requests likely among them): commit + verify in one call
     tree2 = random_tree_batch([int(torch.randint(1, 20, (1,), generator=gen)) for _ in range(B)], generator=gen)
     (x2, dt2, _, B2, C2), _ = _inputs(tree2.num_nodes, G, gen, variant)

@@ -235,6 +235,21 @@ def attention_tree_reference(tree, q, k, v, k_prefix, v_prefix, *, scale=None):
 TREE_KINDS = ("random", "chain", "star", "deep", "wide")
 
 
+def random_accepted_paths(tree: TreeBatch, width: int, generator=None) -> tuple[Tensor, Tensor]:
+    """A random root-to-node path per request, as verification reports it: ``accepted``
+    ``[B, width]`` int64 local indices, root first, -1 padded, and ``last`` ``[B]`` the flat index
+    of each path's last node."""
+    B = tree.num_requests
+    accepted = torch.full((B, width), -1, dtype=torch.int64)
+    last = torch.empty(B, dtype=torch.int64)
+    for r in range(B):
+        node = _randint(int(tree.nodes_per_request[r]), generator)
+        path = tree.root_path(r, node)
+        accepted[r, : len(path)] = torch.tensor(path)
+        last[r] = int(tree.cu_nodes[r]) + node
+    return accepted, last
+
+
 def strided(t: Tensor) -> Tensor:
     """A non-contiguous view holding ``t``'s values (rows padded in memory), as the slices of a fused
     projection that vLLM hands to the layers."""
