@@ -21,6 +21,8 @@ path is covered by ``tests/test_vllm_smoke.py``.
   against non-speculative samples, by chi-square homogeneity tests on the whole continuation and on
   every position; a temperature change of the same size must be detected by the same tests.
 * The n-gram drafter (rejections, partial acceptance, trees sharing batches with prefills).
+* Preemption: a KV cache too small for the batch; preempted requests resume (recomputed) with
+  outputs unchanged.
 * A mixed batch with staggered arrivals, a chunked prefill beside tree decodes, a sampled request,
   a request with a presence penalty (no drafts: vLLM's path), an abort mid-generation and a request
   reusing the aborted one's state slot.
@@ -204,6 +206,19 @@ def test_triton_kernels_inside_vllm(models, arch):
     st = ours["stats"]
     print(f"{arch} triton: {st['tree_steps']} tree steps, {st['accepted']} accepted, {ours['seconds']:.0f} s")
     assert st["tree_steps"] >= 2 and st["accepted"] >= n * k // 2
+
+
+def test_preemption_keeps_outputs(models):
+    """A KV cache too small for the batch (12 blocks of 64 attention tokens): vLLM preempts running
+    requests and recomputes them on resumption; every stream still equals non-speculative vLLM."""
+    arch = "nemotron_h"
+    base = _baseline(models, arch)
+    ours = spec_run.run_spec(models[arch], base["prompts"], MAX_TOKENS, spec=_spec("draft_model", models[arch]),
+                             llm_kwargs=dict(num_gpu_blocks_override=12, block_size=16))
+    _check_equal(arch, base, ours)
+    st = ours["stats"]
+    print(f"{arch} preemption: {st['resumed_requests']} resumed requests, {st['tree_steps']} tree steps")
+    assert st["resumed_requests"] >= 1
 
 
 def _mixed_requests(prompts, long_prompt, abort: bool):

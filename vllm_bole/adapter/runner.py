@@ -104,7 +104,7 @@ class TreeRunnerMixin:
         self._bole_pending: dict[str, object] = {}
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
         self._bole_stats = dict(steps=0, tree_steps=0, mixed_tree_steps=0, prefill_mixed_tree_steps=0,
-                                placeholder_trees=0, drafted_nodes=0, accepted=0, verified_requests=0, draft_s=0.0,
+                                placeholder_trees=0, resumed_requests=0, drafted_nodes=0, accepted=0, verified_requests=0, draft_s=0.0,
                                 verify_commit_s=0.0)
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
@@ -183,6 +183,11 @@ class TreeRunnerMixin:
         return out
 
     def _update_states(self, scheduler_output):
+        # preempted requests come back as resumed ones (recomputed from scratch; their pending path, if
+        # any, was flushed into the freed slot at the step after the preemption, before any reuse of it
+        # could read it: a reused slot starts without initial state)
+        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
+        self._bole_stats["resumed_requests"] += len(resumed)
         out = super()._update_states(scheduler_output)
         for rid in scheduler_output.finished_req_ids:
             self._bole_trees.pop(rid, None)
