@@ -168,6 +168,25 @@ def test_target_probs_matches_vllm_semantics():
     assert torch.allclose(target_probs(logits, 0.7), (logits / 0.7).softmax(-1))
 
 
+def test_target_probs_min_p_before_top_k_top_p():
+    """min-p on the tempered distribution, then top-k / top-p on what it kept (vLLM's order)."""
+    g = torch.Generator().manual_seed(1)
+    N, V = 40, 13
+    logits = torch.randn(N, V, generator=g) * 2
+    temp = torch.rand(N, generator=g) + 0.3
+    min_p = torch.rand(N, generator=g) * 0.5
+    min_p[::4] = 0.0
+    top_k = torch.randint(0, V, (N,), generator=g)
+    top_p = torch.rand(N, generator=g) * 0.8 + 0.2
+    got = target_probs(logits, temp, top_k, top_p, min_p)
+    for i in range(N):
+        p = (logits[i].double() / float(temp[i])).softmax(-1)
+        kept = torch.where(p >= float(min_p[i]) * p.max(), logits[i].double(), -float("inf"))
+        ref = ref_probs(kept, float(temp[i]), int(top_k[i]), float(top_p[i]))
+        assert torch.allclose(got[i].double(), ref, atol=1e-6), i
+    assert (got[1:][min_p[1:] > 0.3].count_nonzero(-1) < V).all()  # min-p removed tokens
+
+
 # ------------------------------------------------------------------------------------ greedy
 def _greedy_case(builder, seed, B=6, V=16, D=4):
     target = HashTarget(V, seed=seed)

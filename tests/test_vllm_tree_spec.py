@@ -21,10 +21,12 @@ path is covered by ``tests/test_vllm_smoke.py``.
   against non-speculative samples, by chi-square homogeneity tests on the whole continuation and on
   every position; a temperature change of the same size must be detected by the same tests.
 * The n-gram drafter (rejections, partial acceptance, trees sharing batches with prefills).
+* Sampling constraints (penalties, logit bias, bad words, allowed tokens, min_tokens, min_p) applied
+  per tree node: greedy output identical to non-speculative vLLM with the same parameters.
 * Preemption: a KV cache too small for the batch; preempted requests resume (recomputed) with
   outputs unchanged.
 * A mixed batch with staggered arrivals, a chunked prefill beside tree decodes, a sampled request,
-  a request with a presence penalty (no drafts: vLLM's path), an abort mid-generation and a request
+  a request with a presence penalty (constrained per node), an abort mid-generation and a request
   reusing the aborted one's state slot.
 * Configuration errors, the CPU KV-cache layouts the adapter reads and vLLM's GDN kernel
   conventions (engine-free checks in a subprocess).
@@ -139,7 +141,7 @@ def test_ngram_greedy_equal(models, arch):
 
 
 SAMPLED = {  # arch -> sampling parameters of the distribution test
-    "llama": dict(temperature=1.0, top_k=4),
+    "llama": dict(temperature=1.0, top_k=4, min_p=0.1),
     "nemotron_h": dict(temperature=0.8, top_p=0.7),
     # bf16 Qwen3-Next: temperature only. Hard top-k / top-p boundaries turn bf16 rounding into support
     # changes at near ties on this chaotic tiny model (measured: vLLM's own bf16 samples with top_k=3 sit at a
@@ -206,6 +208,41 @@ def test_triton_kernels_inside_vllm(models, arch):
     st = ours["stats"]
     print(f"{arch} triton: {st['tree_steps']} tree steps, {st['accepted']} accepted, {ours['seconds']:.0f} s")
     assert st["tree_steps"] >= 2 and st["accepted"] >= n * k // 2
+
+
+CONSTRAINED = [  # per-prompt sampling parameters vLLM's sampler applies before temperature (greedy here)
+    dict(presence_penalty=0.8),
+    dict(frequency_penalty=2.0, presence_penalty=-0.5),
+    dict(repetition_penalty=1.5),
+    dict(logit_bias={7: 4.0, 11: 2.5, 300: -100.0}),
+    dict(bad_words=["the", " the", "a"]),
+    dict(allowed_token_ids=list(range(0, 1024, 3))),
+    dict(min_tokens=24),  # + stop tokens: what the prompt's unconstrained stream emits early (set in the test)
+    dict(repetition_penalty=1.2, frequency_penalty=0.2, min_p=0.3, logit_bias={3: 1.0}),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
+def test_constrained_greedy_equal(models, arch):
+    """Penalties, logit bias, bad words, allowed tokens, min_tokens (with stop tokens) and min_p, applied
+    per tree node to the node's own context: greedy output identical to non-speculative vLLM with the
+    same parameters. The target drafts its unconstrained greedy chain, so trees are partly rejected."""
+    m = models[arch]
+    prompts = smoke_run.prompt_token_ids(m, PROMPTS)
+    free = spec_run.run_spec(m, prompts, MAX_TOKENS)["tokens"]
+    sampling = [dict(c) for c in CONSTRAINED]
+    sampling[6]["stop_token_ids"] = sorted(set(free[6][2:12]))  # would stop at token 3 without min_tokens
+    base = spec_run.run_spec(m, prompts, MAX_TOKENS, sampling=sampling)
+    ours = spec_run.run_spec(m, prompts, MAX_TOKENS, sampling=sampling, spec=_spec("draft_model", m))
+    assert ours["tokens"] == base["tokens"]
+    same = [i for i, (b, f) in enumerate(zip(base["tokens"], free)) if b == f and i != 4]
+    assert not same, f"parameters without effect on prompts {same}"
+    st = ours["stats"]
+    print(f"{arch} constrained: {st['verified_requests']} trees, {st['accepted']} accepted, "
+          f"lengths {[len(t) for t in ours['tokens']]}, bad words changed the stream: {base['tokens'][4] != free[4]}")
+    assert st["verified_requests"] >= len(PROMPTS) * 4 and st["accepted"] > 0
+    stops = set(sampling[6]["stop_token_ids"])
+    assert len(base["tokens"][6]) >= 24 and not stops & set(base["tokens"][6][:23])  # min_tokens held them back
 
 
 def test_preemption_keeps_outputs(models):

@@ -78,9 +78,20 @@ def apply_to_engine_args(args) -> None:
     logger.info("vllm-bole: tree speculation %s", cfg.model_dump())
 
 
+def is_ours(speculative_config) -> bool:
+    """Whether vLLM's (resolved) speculative config is the one :func:`apply_to_engine_args` made."""
+    return getattr(speculative_config, "method", None) == "custom_class" and \
+        getattr(speculative_config, "model", None) == PROPOSER
+
+
 def install() -> None:
-    """Idempotent: wrap ``EngineArgs.create_engine_config`` once per process."""
+    """Idempotent, once per process: wrap ``EngineArgs.create_engine_config`` (the config mapping
+    above) and ``SamplingParams._validate_spec_decode``: vLLM refuses ``min_p`` and ``logit_bias``
+    with any speculative config because its chain rejection sampler ignores them; the tree runner
+    applies both per node (``TreeRunnerMixin._bole_constrain``), so requests on an engine with
+    ``bole_tree`` pass. Other speculative configs keep vLLM's check."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
 
     orig = EngineArgs.create_engine_config
     if getattr(orig, "_vllm_bole", False):
@@ -91,6 +102,15 @@ def install() -> None:
         apply_to_engine_args(self)
         return orig(self, *args, **kwargs)
 
+    orig_validate = SamplingParams._validate_spec_decode
+
+    @functools.wraps(orig_validate)
+    def validate_spec_decode(self, speculative_config):
+        if is_ours(speculative_config):
+            return None
+        return orig_validate(self, speculative_config)
+
     create_engine_config._vllm_bole = True
     create_engine_config._vllm_bole_orig = orig
     EngineArgs.create_engine_config = create_engine_config
+    SamplingParams._validate_spec_decode = validate_spec_decode

@@ -56,19 +56,13 @@ NGRAM_WINDOW = 4096  # context tokens the n-gram drafter searches (the most rece
 
 
 def _supports_tree(sp) -> bool:
-    """Sampling parameters tree verification reproduces exactly (else: no drafts, vLLM's path)."""
+    """Sampling parameters tree verification reproduces exactly (else: no drafts, vLLM's path).
+    Penalties, logit bias, bad words, allowed tokens, min_tokens and min_p are applied per node
+    (:meth:`TreeRunnerMixin._bole_constrain`); structured output is not."""
     if sp is None:
         return False
     return (
-        not sp.presence_penalty
-        and not sp.frequency_penalty
-        and (sp.repetition_penalty is None or sp.repetition_penalty == 1.0)
-        and not sp.logit_bias
-        and not sp.bad_words
-        and not sp.allowed_token_ids
-        and not getattr(sp, "min_tokens", 0)
-        and not getattr(sp, "min_p", 0.0)
-        and getattr(sp, "structured_outputs", None) is None
+        getattr(sp, "structured_outputs", None) is None
         and not getattr(sp, "logprob_token_ids", None)
         and (sp.logprobs is None or sp.logprobs >= 0)
     )
@@ -388,7 +382,7 @@ class TreeRunnerMixin:
 
     def _bole_verify(self, step: L.TreeStep, tlogits: torch.Tensor):
         tree = step.tree
-        temps, top_k, top_p, gens, greedy = [], [], [], [], True
+        temps, top_k, top_p, min_p, gens, greedy = [], [], [], [], [], True
         for r, rid in enumerate(step.req_ids):
             sp = self.requests[rid].sampling_params
             t = float(sp.temperature) if sp is not None else 0.0
@@ -396,12 +390,61 @@ class TreeRunnerMixin:
             greedy &= t < SAMPLING_EPS
             top_k.append(max(int(sp.top_k or 0), 0) if sp is not None else 0)
             top_p.append(float(sp.top_p) if sp is not None and sp.top_p is not None else 1.0)
+            min_p.append(float(getattr(sp, "min_p", 0.0) or 0.0) if sp is not None else 0.0)
             gens.append(self.input_batch.generators.get(step.rows[r]))
-        logits = tlogits.float()
+        logits = self._bole_constrain(step, tlogits.float())
         if greedy:
             return verify_greedy(tree, logits)
         return verify_deterministic(tree, logits, temperature=torch.tensor(temps), top_k=torch.tensor(top_k),
-                                    top_p=torch.tensor(top_p), generator=gens)
+                                    top_p=torch.tensor(top_p), min_p=torch.tensor(min_p) if any(min_p) else None,
+                                    generator=gens)
+
+    def _bole_constrain(self, step: L.TreeStep, logits: torch.Tensor) -> torch.Tensor:
+        """vLLM's sampler constraints before temperature, per tree node, in vLLM's order: allowed
+        tokens, bad words, min_tokens, logit bias, then repetition / frequency / presence penalties.
+        Node ``i`` of request ``r`` sees the request's output tokens (its root last) followed by the
+        draft tokens on its path (depth ``1 .. depth(i)``), exactly what non-speculative decoding
+        would have seen there. ``logits`` ``[T, V]`` float32, modified in place and returned."""
+        md = self.input_batch.sampling_metadata
+        tree = step.tree
+        ib = self.input_batch
+        req = tree.request_index.long().cpu()
+        rows = torch.tensor(step.rows, dtype=torch.long)[req]  # persistent-batch row of every node
+        params = [self.requests[rid].sampling_params for rid in step.req_ids]
+        need_ctx = bool(md.bad_words_token_ids) or not md.no_penalties or any(p.min_tokens for p in params)
+        ctx: list[list[int]] = []
+        if need_ctx:
+            outs = [ib.token_ids_cpu[i, int(ib.num_prompt_tokens[i]) : int(ib.num_tokens_no_spec[i])].tolist()
+                    for i in step.rows]
+            toks, path, depth = tree.token_ids.tolist(), tree.path.cpu(), tree.depth.tolist()
+            cu = tree.cu_nodes.tolist()
+            for i, r in enumerate(req.tolist()):
+                ctx.append(outs[r] + [toks[cu[r] + int(j)] for j in path[i, 1 : depth[i] + 1]])
+        if md.allowed_token_ids_mask is not None:
+            logits.masked_fill_(md.allowed_token_ids_mask[rows.to(md.allowed_token_ids_mask.device)], -float("inf"))
+        if md.bad_words_token_ids:
+            from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+            words = {i: md.bad_words_token_ids[row] for i, row in enumerate(rows.tolist())
+                     if row in md.bad_words_token_ids}
+            apply_bad_words(logits, words, ctx)
+        for i, r in enumerate(req.tolist()):
+            sp = params[r]
+            if sp.min_tokens and len(ctx[i]) < sp.min_tokens and sp.all_stop_token_ids:
+                logits[i, list(sp.all_stop_token_ids)] = -float("inf")
+        for r, sp in enumerate(params):
+            if sp.logit_bias:
+                ids = torch.tensor([int(t) for t in sp.logit_bias], device=logits.device)
+                bias = torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                s, e = int(tree.cu_nodes[r]), int(tree.cu_nodes[r + 1])
+                logits[s:e, ids] += bias
+        if not md.no_penalties:
+            from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+            dev_rows = rows.to(md.presence_penalties.device)
+            logits = apply_all_penalties(logits, md.prompt_token_ids[dev_rows], md.presence_penalties[dev_rows],
+                                         md.frequency_penalties[dev_rows], md.repetition_penalties[dev_rows], ctx)
+        return logits
 
     def _bole_commit(self, step: L.TreeStep, res) -> None:
         tree = step.tree

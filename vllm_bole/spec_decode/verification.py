@@ -36,7 +36,8 @@ Modes
 
 Target distribution ``p``: vLLM ``SamplingParams`` semantics, per request: ``temperature``
 (``< 1e-5`` means greedy: ``p`` one-hot on the argmax, so greedy requests can share a stochastic
-batch), then top-k (keep logits ``>=`` the k-th largest; ``k <= 0`` or ``>= V`` disables), then
+batch), then min-p (drop tokens whose probability is below ``min_p`` times the largest, as vLLM's
+``MinPLogitsProcessor``), then top-k (keep logits ``>=`` the k-th largest; ``k <= 0`` or ``>= V`` disables), then
 top-p over the ascending-sorted probabilities of what top-k kept (drop the prefix whose
 cumulative mass is ``<= 1 - top_p``, always keeping the largest), as vLLM's
 ``apply_top_k_top_p``.
@@ -75,6 +76,7 @@ from vllm_bole.spec_decode.tree import TreeBatch
 __all__ = [
     "SAMPLING_EPS",
     "VerificationResult",
+    "apply_min_p",
     "apply_top_k_top_p",
     "target_probs",
     "verify",
@@ -137,8 +139,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
 
 
-def target_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None) -> torch.Tensor:
-    """``[N, V]`` float32 target distribution per row (temperature, then top-k, then top-p).
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's min-p masking (``-inf``) of ``[N, V]`` temperature-scaled logits: tokens whose
+    probability is below ``min_p [N]`` times the row's largest (``0``: disabled)."""
+    if min_p is None:
+        return logits
+    probs = logits.softmax(dim=-1)
+    thresh = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype)[:, None]
+    return logits.masked_fill(probs < thresh, -float("inf"))
+
+
+def target_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """``[N, V]`` float32 target distribution per row (temperature, min-p, top-k, top-p).
     Rows with ``temperature < SAMPLING_EPS`` are one-hot on the argmax of the raw logits;
     ``temperature=None`` means 1."""
     N, V = logits.shape
@@ -147,6 +159,7 @@ def target_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None) -> t
     temp = _per_row(1.0 if temperature is None else temperature, N, torch.float32, dev)
     greedy = temp < SAMPLING_EPS
     x = x / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    x = apply_min_p(x, _per_row(min_p, N, torch.float32, dev))
     x = apply_top_k_top_p(x, _per_row(top_k, N, torch.long, dev), _per_row(top_p, N, torch.float32, dev))
     probs = x.softmax(-1)
     onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
@@ -270,7 +283,7 @@ def _check_logits(tree: TreeBatch, logits: torch.Tensor):
         raise ValueError(f"target_logits: expected [T={tree.num_nodes}, V], got {tuple(logits.shape)}")
 
 
-def _walk(tree: TreeBatch, logits: torch.Tensor, temperature, top_k, top_p, decide) -> VerificationResult:
+def _walk(tree: TreeBatch, logits: torch.Tensor, temperature, top_k, top_p, min_p, decide) -> VerificationResult:
     """Level loop shared by the stochastic modes. ``decide(A, nodes, kids, p)`` returns, for the
     active requests ``A`` at flat ``nodes`` with children ``kids [A, C]`` and target
     distribution ``p [A, V]``, the accepted child (flat, -1: stop) and the emitted token."""
@@ -280,6 +293,7 @@ def _walk(tree: TreeBatch, logits: torch.Tensor, temperature, top_k, top_p, deci
     temp = _per_row(temperature, B, torch.float32, dev)
     tk = _per_row(top_k, B, torch.long, dev)
     tp = _per_row(top_p, B, torch.float32, dev)
+    mp = _per_row(min_p, B, torch.float32, dev)
     cu = tree.cu_nodes.long().to(dev)
     children = _children_table(tree, dev)
     cur = cu[:-1].clone()
@@ -293,7 +307,8 @@ def _walk(tree: TreeBatch, logits: torch.Tensor, temperature, top_k, top_p, deci
         if A.numel() == 0:
             break
         nodes = cur[A]
-        p = target_probs(logits[nodes], temp[A], None if tk is None else tk[A], None if tp is None else tp[A])
+        p = target_probs(logits[nodes], temp[A], None if tk is None else tk[A], None if tp is None else tp[A],
+                         None if mp is None else mp[A])
         child, tok = decide(A, nodes, children[nodes], p)
         out[A, d] = tok
         has = child >= 0
@@ -314,6 +329,7 @@ def verify_deterministic(
     temperature,
     top_k=None,
     top_p=None,
+    min_p=None,
     generator: Generators = None,
 ) -> VerificationResult:
     """Stochastic verification of a tree whose children were chosen deterministically: sample
@@ -330,7 +346,7 @@ def verify_deterministic(
         child = torch.where(has, kids.gather(1, first[:, None])[:, 0], torch.full_like(x, -1))
         return child, x
 
-    return _walk(tree, target_logits, temperature, top_k, top_p, decide)
+    return _walk(tree, target_logits, temperature, top_k, top_p, min_p, decide)
 
 
 def verify_rejection(
@@ -343,6 +359,7 @@ def verify_rejection(
     temperature,
     top_k=None,
     top_p=None,
+    min_p=None,
     generator: Generators = None,
 ) -> VerificationResult:
     """Recursive rejection sampling over sampled children: SpecInfer (``replacement=True``,
@@ -388,7 +405,7 @@ def verify_rejection(
             tok[none] = _sample_rows(p[none], u_smp[nodes[none]])
         return child, tok
 
-    return _walk(tree, target_logits, temperature, top_k, top_p, decide)
+    return _walk(tree, target_logits, temperature, top_k, top_p, min_p, decide)
 
 
 def verify(
@@ -399,6 +416,7 @@ def verify(
     temperature=None,
     top_k=None,
     top_p=None,
+    min_p=None,
     generator: Generators = None,
 ) -> VerificationResult:
     """Dispatch. ``method``: ``"greedy"``, ``"deterministic"``, ``"specinfer"``, ``"sequoia"`` or
@@ -418,7 +436,7 @@ def verify(
         return verify_greedy(tree, target_logits)
     if temperature is None:
         raise ValueError(f"method {method!r} needs a temperature (0 means greedy)")
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
     if method == "deterministic":
         return verify_deterministic(tree, target_logits, **kw)
     if method in ("specinfer", "sequoia"):

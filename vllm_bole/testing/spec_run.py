@@ -153,6 +153,8 @@ def _generate(llm, req) -> dict:
     for extra in per_prompt:
         sp = dict(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
         sp.update(extra)
+        if "logit_bias" in sp:  # JSON object keys arrive as strings
+            sp["logit_bias"] = {int(t): b for t, b in sp["logit_bias"].items()}
         if req["logprobs"]:
             sp["logprobs"] = req["logprobs"]
         params.append(SamplingParams(**sp))
