@@ -47,19 +47,28 @@ class PendingPath(tree_common.PendingPath):
 
 def gdn_tree_step(
     q, k, v, g, beta, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
-    *, scale: float | None = None, use_qk_l2norm: bool = True, impl: str = "auto",
+    *, scale: float | None = None, use_qk_l2norm: bool = True, impl: str = "auto", fuse_commit: bool = False,
 ):
     """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
 
     Returns o [T, Hv, V] (None when ``tree`` is None: commit only). Pending lengths of the
-    touched slots are reset to 0.
+    touched slots are reset to 0. Triton: the commit and the verification run as two launches
+    unless ``fuse_commit`` (one launch, same result): two launches were as fast or faster at every
+    measured shape on the H200 (``benchmarks/results/gdn_tree.json``: ``ours_two_pass_ms`` against
+    the fused ``ours_ms`` at cfa0f38; B=32, N=64: 0.167 against 0.202 ms), since the fused
+    program's extra registers cost more occupancy than the saved state read.
     """
     K = state.shape[2]
     scale = K**-0.5 if scale is None else scale
     if use_triton(impl, state):
         from csrc_triton.gdn_tree import gdn_tree_step as launch
 
-        o = launch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm)
+        if pending is not None and tree is not None and not fuse_commit:
+            launch(None, None, None, None, None, None, state, state_idx, pending, scale, use_qk_l2norm)
+            pending_for_verify = None
+        else:
+            pending_for_verify = pending
+        o = launch(q, k, v, g, beta, tree, state, state_idx, pending_for_verify, scale, use_qk_l2norm)
     else:
         o = _step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm)
     if pending is not None:
