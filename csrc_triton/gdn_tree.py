@@ -144,7 +144,7 @@ def _squarings(max_path_len: int) -> int:
     return max(int(max_path_len - 1).bit_length() - 1, 0)
 
 
-def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, *, block_v=None, num_warps=None, num_stages=1, lowp=None, inv_lowp=None):
+def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, *, block_v=64, num_warps=None, num_stages=1, lowp=None, inv_lowp=None):
     """Launch ``gdn_tree_step_kernel``; arguments as ``vllm_bole.mamba.gdn_tree.gdn_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
@@ -176,8 +176,6 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
     else:
         DP = 16
         pend_args = (state, state, state, state, state_idx, 0)
-    if block_v is None:  # verification: 64 (probe_gdn_configs); commit alone: 128 (probe_gdn_commit, 13% faster)
-        block_v = 64 if tree is not None else 128
     BV = min(block_v, V)
     if lowp is None:
         lowp = BT >= 128 or (tree is not None and v.element_size() == 2)
