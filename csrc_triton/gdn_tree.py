@@ -150,7 +150,9 @@ def gdn_tree_step(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
     Returns ``o`` [T, Hv, V] in v's dtype (None without a tree). Defaults are the fastest
     correct configs of the H200 probe (benchmarks/device/probe_gdn_configs.py; BV=32 with bf16
-    operands and 64+ node trees hit an illegal access in Triton 3.6's code, so BV=64).
+    operands and 64+ node trees hit an illegal access in Triton 3.6's code, so BV=64). The commit
+    alone is 13% faster with BV=128 (probe_gdn_commit.py) but the whole step was slower with it in
+    bench_gdn_tree.py (B=1: too few programs; B=128, N=64: 0.618 against 0.591 ms), so BV=64 there too.
     """
     import torch
 
