@@ -45,7 +45,6 @@ from vllm_bole.attention.tree_attention import compact_accepted_kv, tree_slot_ma
 from vllm_bole.config import TreeSpecConfig
 from vllm_bole.mamba.tree_conv import commit_conv_state
 from vllm_bole.mamba import gdn_tree, ssd_tree
-from vllm_bole.spec_decode.candidates import EMPTY
 from vllm_bole.spec_decode.drafters import HFDraftModel, build_draft_trees
 from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.tree import TreeBatch
@@ -527,20 +526,21 @@ class TreeRunnerMixin:
             self._bole_drafts = None
             return
         discard = self.discard_request_mask.np[:n]
-        roots, cands, live = [], [], []
+        roots, hists, depths = [], [], []
         D = cfg.depth
         for i, rid in enumerate(req_ids):
             state = self.requests.get(rid)
             if state is None or discard[i] or not _supports_tree(state.sampling_params):
                 roots.append(0)
-                cands.append(EMPTY)
+                hists.append([])
+                depths.append(0)
                 continue
             num = int(ib.num_tokens_no_spec[i])
             hist = ib.token_ids_cpu[i, :num]
-            room = self.max_model_len - num - 1
-            depth = min(D, room)
             roots.append(int(hist[-1]))
-            cands.append(self._bole_drafter.candidates(hist.tolist(), depth) if depth > 0 else EMPTY)
+            hists.append(hist.tolist())
+            depths.append(max(min(D, self.max_model_len - num - 1), 0))
+        cands = self._bole_drafter.candidates_batch(hists, depths)
         trees = build_draft_trees(roots, cands, cfg.num_speculative_tokens, max_depth=D, top_k=cfg.top_k)
         drafts = []
         for rid, (par, tok) in zip(req_ids, trees):

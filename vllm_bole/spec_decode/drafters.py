@@ -16,7 +16,8 @@ indices, root = 0, the root itself excluded from the lists).
   same drafter the offline acceptance benchmark measures).
 * :class:`HFDraftModel`: a small causal LM with the target's tokenizer; greedy chain of ``D``
   tokens (one forward over the history, then cached single-token steps; the cache is dropped after
-  each draft, so nothing needs rolling back), the top-``k`` of the
+  each draft, so nothing needs rolling back; attention-only drafts run all requests as one padded
+  batch, :meth:`HFDraftModel.candidates_batch`), the top-``k`` of the
   draft distribution at every depth are the candidates. In a best-first tree the first child of
   every node is its most probable one, so the first-child chain from the root is the draft's greedy
   chain; when the draft model is the target itself, greedy verification accepts all of it.
@@ -49,6 +50,7 @@ class HFDraftModel:
         self.top_k = top_k
         self.device = device
         self._cached: bool | None = None  # None: not tried yet; False: the model's cache API is not supported
+        self._batched: bool | None = None  # None: not tried yet; False: no padded batching (recurrent cache)
 
     @torch.inference_mode()
     def candidates(self, history: Sequence[int], depth: int) -> Candidates:
@@ -64,6 +66,60 @@ class HFDraftModel:
                     raise
                 self._cached = False
         return self._candidates_full(history, depth)
+
+    @torch.inference_mode()
+    def candidates_batch(self, histories: Sequence[Sequence[int]], depths: Sequence[int]) -> list[Candidates]:
+        """:meth:`candidates` for many requests at once. A draft with a plain attention cache
+        (transformers' ``DynamicCache``) runs them together: one forward over the left-padded
+        histories (padding masked, positions counted from each history's start), then single-token
+        steps for all; a draft with a recurrent cache (Mamba2, GDN) goes request by request."""
+        out = [EMPTY] * len(histories)
+        live = [i for i, d in enumerate(depths) if d > 0 and len(histories[i]) > 0]
+        if not live:
+            return out
+        if self._batched is not False:
+            got = self._candidates_padded([histories[i] for i in live], max(depths[i] for i in live))
+            self._batched = got is not None
+            if got is not None:
+                for j, i in enumerate(live):
+                    out[i] = Candidates(got[j].tokens[: depths[i]], got[j].probs[: depths[i]])
+                return out
+        for i in live:
+            out[i] = self.candidates(histories[i], depths[i])
+        return out
+
+    def _candidates_padded(self, histories, depth) -> list[Candidates] | None:
+        """None when the model's cache is not plain attention in every layer (transformers'
+        ``DynamicCache`` of ``DynamicLayer``\ s): padding would enter a recurrent state."""
+        B, L = len(histories), max(len(h) for h in histories)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for j, h in enumerate(histories):
+            ids[j, L - len(h):] = torch.as_tensor(list(h), dtype=torch.long)
+            mask[j, L - len(h):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache = getattr(out, "past_key_values", None)
+        layers = getattr(cache, "layers", None)
+        if type(cache).__name__ != "DynamicCache" or not layers or any(
+                type(layer).__name__ != "DynamicLayer" for layer in layers):
+            return None
+        toks, probs = [[] for _ in range(B)], [[] for _ in range(B)]
+        for d in range(depth):
+            p = out.logits[:, -1].float().softmax(-1)
+            v, t = p.topk(min(self.top_k, p.shape[-1]), dim=-1)
+            v, t_cpu = v.cpu(), t.cpu()
+            for j in range(B):
+                toks[j].append(t_cpu[j])
+                probs[j].append(v[j])
+            if d + 1 == depth:
+                break
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            pos = pos[:, -1:] + 1
+            out = self.model(input_ids=t[:, :1], attention_mask=mask, position_ids=pos,
+                             past_key_values=out.past_key_values, use_cache=True)
+        return [Candidates(toks[j], probs[j]) for j in range(B)]
 
     def _candidates_full(self, history, depth):
         seq = list(history)

@@ -138,6 +138,10 @@ class NgramDrafter:
             probs.append(p.probs[d][keep])
         return Candidates(toks, probs)
 
+    def candidates_batch(self, histories: Sequence[Sequence[int]], depths: Sequence[int]) -> list[Candidates]:
+        """:meth:`candidates` per request (the drafters' common batch interface)."""
+        return [self.candidates(h, d) for h, d in zip(histories, depths)]
+
     def propose_batch(self, contexts: Sequence[Sequence[int] | torch.Tensor], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens [B, D, K], probs [B, D, K])`` for a batch of contexts."""
         props = [self.propose(c, depth) for c in contexts]
