@@ -5,14 +5,26 @@ import sys
 import pytest
 import torch
 
-sys.modules.setdefault("fla", None)  # transformers' torch fallback for the recurrent layers on CPU
+from vllm_bole.spec_decode.drafters import HFDraftModel
+from vllm_bole.testing.tiny_models import build_tiny_model
 
-from vllm_bole.spec_decode.drafters import HFDraftModel  # noqa: E402
-from vllm_bole.testing.tiny_models import build_tiny_model  # noqa: E402
+_ABSENT = object()
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def keep_fla_state():
+    """On CPU ``HFDraftModel`` hides FLA from transformers (``sys.modules["fla"] = None``, what the
+    engine's worker wants); undo that for the rest of the test session."""
+    before = sys.modules.get("fla", _ABSENT)
+    yield
+    if before is _ABSENT:
+        sys.modules.pop("fla", None)
+    else:
+        sys.modules["fla"] = before
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, keep_fla_state):
     root = tmp_path_factory.mktemp("draft")
     return {a: build_tiny_model(a, root) for a in ("llama", "mamba2", "granitemoehybrid")}
 
