@@ -268,7 +268,8 @@ def install_mamba2(layer_name: str, layer) -> None:
         conv_out = tree_conv(xBC, layer.conv_weights, conv_state, slots, step.tree, bias=layer.conv1d.bias,
                              activation=layer.activation, impl=step.impl)
         x, B, C = layer.split_hidden_states_B_C_fn(conv_out)
-        x, B, C = x.reshape(T, H, P), B.reshape(T, G, N), C.reshape(T, G, N)
+        # dense once: the kernel and the commit's stash both read them so
+        x, B, C = x.reshape(T, H, P).contiguous(), B.reshape(T, G, N).contiguous(), C.reshape(T, G, N).contiguous()
         dt = dt.contiguous()
         y = ssd_tree.ssd_tree_step(
             x, dt, layer.A, B, C, step.tree, ssm_state, slots, step.pending.get(layer_name),
@@ -276,7 +277,7 @@ def install_mamba2(layer_name: str, layer) -> None:
         )
         output[s : s + T] = y.reshape(T, H * P).to(output.dtype)
         step.saved[layer_name] = dict(kind="mamba2", conv_in=xBC, conv_state=conv_state, ssm_state=ssm_state,
-                                      slots=slots, x=x.contiguous(), dt=dt, B=B.contiguous())
+                                      slots=slots, x=x, dt=dt, B=B)
 
     layer._vllm_bole_orig_conv_ssm = orig
     layer.conv_ssm_forward = conv_ssm_forward

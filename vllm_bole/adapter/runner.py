@@ -87,7 +87,7 @@ class TreeRunnerMixin:
         if getattr(self.model_config, "logits_processors", None):
             raise NotImplementedError("vllm-bole tree speculation does not support custom logits processors")
         self._bole_logprobs_mode = logprobs_mode
-        if config.kernels == "triton" and not torch.device(self.device).type == "cuda" \
+        if config.kernels == "triton" and torch.device(self.device).type != "cuda" \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("vllm-bole kernels: 'triton' on CPU needs TRITON_INTERPRET=1 (tests only); use 'auto'")
         self._bole_trees: dict[str, tuple[list[int], list[int]]] = {}
@@ -381,9 +381,9 @@ class TreeRunnerMixin:
 
     def _bole_verify(self, step: L.TreeStep, tlogits: torch.Tensor):
         tree = step.tree
+        params = [self.requests[rid].sampling_params for rid in step.req_ids]
         temps, top_k, top_p, min_p, gens, greedy = [], [], [], [], [], True
-        for r, rid in enumerate(step.req_ids):
-            sp = self.requests[rid].sampling_params
+        for r, sp in enumerate(params):
             t = float(sp.temperature) if sp is not None else 0.0
             temps.append(t)
             greedy &= t < SAMPLING_EPS
@@ -391,26 +391,27 @@ class TreeRunnerMixin:
             top_p.append(float(sp.top_p) if sp is not None and sp.top_p is not None else 1.0)
             min_p.append(float(getattr(sp, "min_p", 0.0) or 0.0) if sp is not None else 0.0)
             gens.append(self.input_batch.generators.get(step.rows[r]))
-        logits = self._bole_constrain(step, tlogits.float())
+        logits = self._bole_constrain(step, tlogits.float(), params)
         if greedy:
             return verify_greedy(tree, logits)
         return verify_deterministic(tree, logits, temperature=torch.tensor(temps), top_k=torch.tensor(top_k),
                                     top_p=torch.tensor(top_p), min_p=torch.tensor(min_p) if any(min_p) else None,
                                     generator=gens)
 
-    def _bole_constrain(self, step: L.TreeStep, logits: torch.Tensor) -> torch.Tensor:
+    def _bole_constrain(self, step: L.TreeStep, logits: torch.Tensor, params: list) -> torch.Tensor:
         """vLLM's sampler constraints before temperature, per tree node, in vLLM's order: allowed
         tokens, bad words, min_tokens, logit bias, then repetition / frequency / presence penalties.
         Node ``i`` of request ``r`` sees the request's output tokens (its root last) followed by the
         draft tokens on its path (depth ``1 .. depth(i)``), exactly what non-speculative decoding
-        would have seen there. ``logits`` ``[T, V]`` float32, modified in place and returned."""
+        would have seen there. ``logits`` ``[T, V]`` float32, modified in place and returned;
+        ``params``: the tree requests' ``SamplingParams`` (tree requests always have them)."""
         md = self.input_batch.sampling_metadata
         tree = step.tree
         ib = self.input_batch
         req = tree.request_index.long().cpu()
         rows = torch.tensor(step.rows, dtype=torch.long)[req]  # persistent-batch row of every node
-        params = [self.requests[rid].sampling_params for rid in step.req_ids]
-        need_ctx = bool(md.bad_words_token_ids) or not md.no_penalties or any(p.min_tokens for p in params)
+        min_tokens = any(p.min_tokens for p in params)
+        need_ctx = bool(md.bad_words_token_ids) or not md.no_penalties or min_tokens
         ctx: list[list[int]] = []
         if need_ctx:
             outs = [ib.token_ids_cpu[i, int(ib.num_prompt_tokens[i]) : int(ib.num_tokens_no_spec[i])].tolist()
@@ -427,7 +428,7 @@ class TreeRunnerMixin:
             words = {i: md.bad_words_token_ids[row] for i, row in enumerate(rows.tolist())
                      if row in md.bad_words_token_ids}
             apply_bad_words(logits, words, ctx)
-        for i, r in enumerate(req.tolist()):
+        for i, r in enumerate(req.tolist() if min_tokens else ()):
             sp = params[r]
             if sp.min_tokens and len(ctx[i]) < sp.min_tokens and sp.all_stop_token_ids:
                 logits[i, list(sp.all_stop_token_ids)] = -float("inf")
