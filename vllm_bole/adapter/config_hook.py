@@ -13,23 +13,34 @@ fields:
   passes the drafts to the runner and rolls back the rejected ones (its own bookkeeping);
 * ``worker_cls`` -> vllm-bole's worker (its model runner drafts, verifies and commits trees);
 * ``async_scheduling`` -> off (drafts depend on the accepted tokens of the step);
-* ``enable_prefix_caching`` -> off unless set explicitly (vLLM's CPU hybrid path needs that);
+* ``enable_prefix_caching`` -> off (explicit True is refused, below);
 * on GPU, ``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment (the workers inherit it): the tree
-  runner hooks vLLM's V1 model runner, and vLLM 0.33 defaults to V2 on GPU; and
-  ``enforce_eager=True`` (logged): the GPU path is wired but has not run inside vLLM (no vLLM on our
-  GPU machine), so CUDA graphs and torch.compile around tree steps stay off until it has;
+  runner hooks vLLM's V1 model runner, and vLLM 0.33 defaults to V2 on GPU;
+* CUDA graphs stay as vLLM configures them, except a ``cudagraph_mode`` whose mixed-batch mode is
+  FULL (refused): a tree step is a mixed batch, and a full graph would replay the attention and
+  recurrent layers without running the tree overrides. With PIECEWISE (the mixed mode of vLLM's
+  default FULL_AND_PIECEWISE) those layers are vLLM's splitting ops and run eagerly between the
+  captured pieces, so tree steps run under the captured graphs;
+* on GPU without FlashInfer, ``additional_config["gdn_prefill_backend"] = "triton"`` unless set:
+  vLLM 0.33 picks FlashInfer's GDN prefill on SM90 without checking that it is installed;
 * ``additional_config["vllm_bole"]`` -> the validated settings, which travel to every worker.
 
-Conflicting explicit settings (a user ``worker_cls``, ``async_scheduling=True``) fail with a
-message naming the field.
+Everything that cannot work is refused here, before any engine process starts, with one line naming
+the field and the allowed values (:class:`~vllm_bole.config.ConfigError`): the tree config itself
+(strict types), a ``draft_model`` directory that does not exist or whose tokenizer differs from the
+target's, ``kernels: triton`` on CPU without ``TRITON_INTERPRET=1``, a user ``worker_cls``,
+``async_scheduling=True``, ``enable_prefix_caching=True`` (one recurrent state slot per request: vLLM's
+prefix caching of hybrid states keeps several), a full-graph mixed ``cudagraph_mode``, and near
+misses of the method name ("did you mean 'bole_tree'?").
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 
-from vllm_bole.config import ConfigError, is_tree_spec, parse_config
+from vllm_bole.config import METHOD, ConfigError, is_tree_spec, parse_config
 
 logger = logging.getLogger("vllm_bole")
 
@@ -40,15 +51,57 @@ ADDITIONAL_KEY = "vllm_bole"
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
+def _cudagraph_mode(compilation_config):
+    cc = compilation_config
+    mode = cc.get("cudagraph_mode") if isinstance(cc, dict) else getattr(cc, "cudagraph_mode", None)
+    if mode is None:
+        return None
+    from vllm.config.compilation import CUDAGraphMode
+
+    return mode if isinstance(mode, CUDAGraphMode) else CUDAGraphMode[str(mode).upper()]
+
+
+def _check_near_miss(spec) -> None:
+    """A method name close to 'bole_tree' that vLLM does not know: say so instead of vLLM's list."""
+    import difflib
+
+    method = spec.get("method") if isinstance(spec, dict) else None
+    if isinstance(method, str) and method != METHOD and difflib.SequenceMatcher(
+            None, method.lower().replace("-", "_"), METHOD).ratio() >= 0.75:
+        raise ConfigError(f"speculative_config.method: {method!r} is not a speculative method; did you mean "
+                          f"{METHOD!r} (vllm-bole's tree speculation)?")
+
+
+def _check_draft_model(cfg, target: str) -> None:
+    """The draft model must be a local checkpoint with the target's tokenizer (same vocabulary)."""
+    if cfg.drafter != "draft_model":
+        return
+    if not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        raise ConfigError(f"model: {cfg.model!r} is not a model directory (no config.json); drafter 'draft_model' "
+                          "needs a local checkpoint with the target's tokenizer")
+    if os.path.isdir(target):
+        from transformers import AutoTokenizer
+
+        try:
+            a, b = AutoTokenizer.from_pretrained(target), AutoTokenizer.from_pretrained(cfg.model)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model: cannot load the tokenizers of the target and draft {cfg.model!r}: {e}") from None
+        if a.get_vocab() != b.get_vocab():
+            raise ConfigError(f"model: the draft {cfg.model!r} has a different tokenizer from the target {target!r} "
+                              "(vocabularies differ); drafter 'draft_model' needs the target's tokenizer")
+
+
 def apply_to_engine_args(args) -> None:
     """Rewrite ``args`` (a vLLM ``EngineArgs``) in place when it selects ``bole_tree``."""
     spec = args.speculative_config
     if not is_tree_spec(spec):
+        _check_near_miss(spec)
         return
     cfg = parse_config(spec)
     from vllm.platforms import current_platform
 
-    worker = CPU_WORKER if current_platform.is_cpu() else GPU_WORKER
+    cpu = current_platform.is_cpu()
+    worker = CPU_WORKER if cpu else GPU_WORKER
     if args.worker_cls not in ("auto", worker):
         raise ConfigError(
             f"worker_cls: {args.worker_cls!r} conflicts with method 'bole_tree' (vllm-bole runs its own worker "
@@ -56,26 +109,36 @@ def apply_to_engine_args(args) -> None:
         )
     if args.async_scheduling:
         raise ConfigError("async_scheduling: True is not supported with method 'bole_tree'; leave it unset or False")
+    if args.enable_prefix_caching:
+        raise ConfigError("enable_prefix_caching: True is not supported with method 'bole_tree' (one recurrent "
+                          "state slot per request); leave it unset or False")
+    if cpu and cfg.kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("kernels: 'triton' on CPU runs only under TRITON_INTERPRET=1 (tests); allowed values on "
+                          "CPU: 'auto', 'torch'")
+    mode = _cudagraph_mode(args.compilation_config)
+    if mode is not None and mode.mixed_mode().name == "FULL":
+        raise ConfigError(f"compilation_config.cudagraph_mode: {mode.name} replays mixed batches as full graphs, "
+                          "which skip the tree overrides; allowed with method 'bole_tree': NONE, PIECEWISE, "
+                          "FULL_DECODE_ONLY, FULL_AND_PIECEWISE")
+    _check_draft_model(cfg, str(args.model))
     args.speculative_config = dict(
         method="custom_class", model=PROPOSER, num_speculative_tokens=cfg.num_speculative_tokens
     )
-    if worker == GPU_WORKER:
+    extra = dict(args.additional_config or {})
+    if not cpu:
         if os.environ.get(V2_ENV, "0").strip().lower() not in ("0", "false"):
             raise ConfigError(f"{V2_ENV}: {os.environ[V2_ENV]!r} selects vLLM's V2 model runner; method 'bole_tree' "
                               f"runs on the V1 runner: unset it or set it to 0")
         os.environ[V2_ENV] = "0"  # inherited by the workers (their model-side config has no speculation)
-        if not args.enforce_eager:
-            logger.warning("vllm-bole: enforce_eager=True on GPU (CUDA graphs / torch.compile with tree steps are "
-                           "not verified: vLLM does not run on our GPU machine)")
-            args.enforce_eager = True
+        if getattr(args, "gdn_prefill_backend", None) is None and "gdn_prefill_backend" not in extra \
+                and importlib.util.find_spec("flashinfer") is None:
+            extra["gdn_prefill_backend"] = "triton"
     args.worker_cls = worker
     args.async_scheduling = False
-    if args.enable_prefix_caching is None:
-        args.enable_prefix_caching = False
-    extra = dict(args.additional_config or {})
+    args.enable_prefix_caching = False
     extra[ADDITIONAL_KEY] = cfg.model_dump()
     args.additional_config = extra
-    logger.info("vllm-bole: tree speculation %s", cfg.model_dump())
+    logger.debug("vllm-bole: tree speculation %s", cfg.model_dump())
 
 
 def is_ours(speculative_config) -> bool:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 
 import numpy as np
@@ -87,9 +86,6 @@ class TreeRunnerMixin:
         if getattr(self.model_config, "logits_processors", None):
             raise NotImplementedError("vllm-bole tree speculation does not support custom logits processors")
         self._bole_logprobs_mode = logprobs_mode
-        if config.kernels == "triton" and torch.device(self.device).type != "cuda" \
-                and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("vllm-bole kernels: 'triton' on CPU needs TRITON_INTERPRET=1 (tests only); use 'auto'")
         self._bole_trees: dict[str, tuple[list[int], list[int]]] = {}
         self._bole_drafts = None
         self._bole_step: L.TreeStep | None = None
@@ -155,8 +151,24 @@ class TreeRunnerMixin:
                         "supported: full attention, Mamba2 mixers, Gated DeltaNet"
                     )
         self._bole_installed = True
-        logger.info("vllm-bole: tree overrides on %d attention and %d recurrent layers",
-                    sum(map(len, self._bole_attn_groups.values())), sum(map(len, self._bole_state_groups.values())))
+        self._bole_log_start()
+
+    def _bole_log_start(self) -> None:
+        """The one INFO line that says tree speculation is on, and how."""
+        cfg = self.bole_config
+        mode = getattr(self.compilation_config, "cudagraph_mode", None)
+        if mode is not None and mode.mixed_mode().name == "FULL":
+            raise RuntimeError(f"vllm-bole: cudagraph_mode {mode.name} replays mixed batches as full graphs, which "
+                               "skip the tree overrides; use FULL_AND_PIECEWISE, PIECEWISE or FULL_DECODE_ONLY")
+        dev = torch.device(self.device).type
+        kernels = cfg.kernels if cfg.kernels != "auto" else f"auto ({'triton' if dev == 'cuda' else 'torch'})"
+        graphs = "off (eager)" if mode is None or mode.name == "NONE" else \
+            f"{mode.name} (tree steps: {mode.mixed_mode().name})"
+        logger.info("vllm-bole: method bole_tree active: drafter %s%s, node budget %d, max depth %d, kernels %s, "
+                    "model runner %s (V1), CUDA graphs %s; tree overrides on %d attention and %d recurrent layers",
+                    cfg.drafter, f" ({cfg.model})" if cfg.model else "", cfg.num_speculative_tokens, cfg.depth,
+                    kernels, type(self).__mro__[2].__name__, graphs, sum(map(len, self._bole_attn_groups.values())),
+                    sum(map(len, self._bole_state_groups.values())))
 
     def _bole_pending_for(self, name: str):
         p = self._bole_pending.get(name)
@@ -171,6 +183,8 @@ class TreeRunnerMixin:
     # ------------------------------------------------------------------ vLLM hooks
     def initialize_kv_cache(self, *args, **kwargs):
         out = super().initialize_kv_cache(*args, **kwargs)
+        if kwargs.get("is_profiling"):  # vLLM's CUDA-graph memory profiling, on throw-away caches
+            return out
         # at start-up: an unsupported layer fails here, before any request; maps follow the new KV config
         self._bole_install_layers(refresh=True)
         return out

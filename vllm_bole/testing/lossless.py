@@ -1,0 +1,113 @@
+"""Is tree speculation's greedy output the engine's own? fp32 exactly; bf16 within the engine's own noise.
+
+fp32: every stream identical to non-speculative decoding, and (when both runs returned logprobs) the
+same top tokens at every position with logprobs within 1e-3.
+
+bf16: two correct bf16 implementations part wherever rounding moves a near tie, and a fixed bound on
+the tie is not sound (measured on the tiny Qwen3-Next: vLLM's own decode and prefill paths flip
+top-1 at margins up to 0.6 nats, and move top-token margins by up to 1.75 nats). So the bound is
+measured on the engine itself, in the same run: the non-speculative engine scores its own greedy
+streams a second time through its prefill path (``engine_run.generate_job(rescore=k)``), and
+:func:`engine_noise` is the largest change of a margin between two of the top tokens,
+``(a[t] - a[u]) - (b[t] - b[u])``, between its decode and prefill logprobs at the same positions
+(the log-normaliser cancels). Then, for the speculative run, at every position the two runs share
+(up to and including the first divergence of each stream):
+
+* each run's top token must be among the other's top-k (a wrong state or mask moves the argmax far
+  outside: a GDN state committed from the wrong node gives tokens outside the baseline's top 5);
+* the margin change between the two runs (:func:`margin_change`) must be at most
+  ``NOISE_FACTOR x`` the engine's own noise. At a divergence this bounds the baseline's margin
+  between its token and ours, since the two runs order those two tokens oppositely.
+
+The speculative path is measured closer to decoding than prefill is (tiny Qwen3-Next: margin
+changes up to 0.44 nats, 99th percentile 0.19-0.44, against the engine's own 1.75 and 0.59), so the
+bound has slack on both sides; ``NOISE_FACTOR`` adds more. Positions after a divergence are not
+compared: the contexts differ there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NOISE_FACTOR = 1.5
+FP32_LOGPROB_ATOL = 1e-3
+
+
+def _row(r) -> dict[int, float]:
+    return {int(t): float(lp) for t, lp in r}
+
+
+def margin_change(a, b) -> float:
+    """Largest change of a margin between two tokens both rows rank: ``a``, ``b`` are logprob rows
+    ``[[token, logprob], ...]`` (best first) for the same position. ``inf`` when either row's top
+    token is missing from the other."""
+    ra, rb = _row(a), _row(b)
+    if a[0][0] not in rb or b[0][0] not in ra:
+        return float("inf")
+    d = [ra[t] - rb[t] for t in ra.keys() & rb.keys()]
+    return max(d) - min(d)
+
+
+def engine_noise(top, rescored) -> float:
+    """Largest :func:`margin_change` between an engine's decode logprobs (``top``: per stream, per
+    position) and its prefill logprobs of the same streams (``rescored``)."""
+    return max(margin_change(a, b) for ta, tb in zip(top, rescored) for a, b in zip(ta, tb))
+
+
+@dataclass
+class GreedyVerdict:
+    dtype: str
+    streams: int
+    identical: int  # streams token-for-token equal to the baseline
+    partings: list = field(default_factory=list)  # (stream, position, baseline margin of ours) per divergence
+    noise: float | None = None  # the engine's own noise (bf16), nats
+    worst: float = 0.0  # largest margin change between the two runs over the shared positions
+    problems: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        s = f"{self.identical}/{self.streams} streams identical"
+        if self.noise is not None:
+            s += (f"; partings (stream, position, margin) {self.partings}; margin change up to {self.worst:.3f} "
+                  f"nats against the engine's own {self.noise:.3f} (bound {NOISE_FACTOR} x)")
+        return s + "".join(f"\n    FAIL: {p}" for p in self.problems)
+
+
+def compare_greedy(dtype: str, base: dict, ours: dict) -> GreedyVerdict:
+    """``base`` / ``ours``: generate-job results (``tokens``, ``top``; ``base`` also ``rescored`` in bf16)."""
+    v = GreedyVerdict(dtype, len(base["tokens"]), 0)
+    for i, (ref, got) in enumerate(zip(base["tokens"], ours["tokens"])):
+        if len(got) != len(ref):
+            v.problems.append(f"stream {i}: {len(got)} tokens, baseline {len(ref)}")
+            continue
+        j = next((k for k in range(len(ref)) if ref[k] != got[k]), None)
+        v.identical += j is None
+        if j is not None:
+            m = _row(base["top"][i][j]) if base.get("top") else {}
+            v.partings.append((i, j, round(m[ref[j]] - m[got[j]], 4) if got[j] in m else float("inf")))
+            if dtype == "float32":
+                v.problems.append(f"stream {i} parts from the baseline at token {j}: "
+                                  f"{ref[max(0, j - 3): j + 3]} vs {got[max(0, j - 3): j + 3]}")
+        if dtype == "float32":
+            if base.get("top") and ours.get("top"):
+                for p, (a, b) in enumerate(zip(base["top"][i], ours["top"][i])):
+                    if [t for t, _ in a] != [t for t, _ in b] or max(abs(x[1] - y[1]) for x, y in zip(a, b)) \
+                            > FP32_LOGPROB_ATOL:
+                        v.problems.append(f"stream {i} position {p}: top logprobs {a} vs baseline {b}")
+                        break
+            continue
+        shared = len(ref) if j is None else j + 1
+        for p in range(shared):
+            v.worst = max(v.worst, margin_change(base["top"][i][p], ours["top"][i][p]))
+    if dtype != "float32":
+        v.noise = engine_noise(base["top"], base["rescored"])
+        if v.noise == float("inf"):
+            v.problems.append("the engine's own decode and prefill put each other's top token outside their top "
+                              f"{len(base['top'][0][0])}: this checkpoint is too chaotic in bf16 to judge equality")
+        elif v.worst > NOISE_FACTOR * v.noise:
+            v.problems.append(f"margin change {v.worst:.3f} nats between the runs exceeds {NOISE_FACTOR} x the "
+                              f"engine's own noise {v.noise:.3f} (inf: a run's top token outside the other's top "
+                              f"{len(base['top'][0][0])}); partings {v.partings}")
+    return v
