@@ -284,11 +284,11 @@ def main() -> int:
     ap.add_argument("--part", choices=("matrix", "soak"), required=True)
     ap.add_argument("--arch", action="append", choices=ARCHS)
     ap.add_argument("--soak-seconds", type=float, default=300.0)
-    ap.add_argument("--quick", action="store_true", help="a few tokens, eager fp32 only (a dry run of the script)")
+    ap.add_argument("--quick", action="store_true", help="a few tokens and samples (a dry run of the script)")
     args = ap.parse_args()
     if args.quick:
-        global MAX_TOKENS, NUM_SAMPLES, CASES
-        MAX_TOKENS, NUM_SAMPLES, CASES = 16, 50, [("float32", False)]
+        global MAX_TOKENS, NUM_SAMPLES
+        MAX_TOKENS, NUM_SAMPLES = 16, 50
     STORE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     models = engine_run.build_models(STORE / "tiny", args.arch)
