@@ -8,7 +8,7 @@ Per step and request, every method must produce all tree outputs and leave the s
 accepted path in the request's slot:
   ours      stash of the previous step's accepted path (its own inputs, <= depth + 1 tokens) +
             ``gdn_tree_step``: one launch commits it in place, a second verifies the new tree
-            (``ours_fused_ms``: the one-launch form; ``ours_verify_only_ms``: verification alone);
+            (``ours_verify_only_ms``: verification alone);
   serial    FLA ``fused_recurrent_gated_delta_rule`` along every root-to-leaf path (one varlen
             launch, initial states gathered per path) + copy of the accepted path's final state;
   per_node  one fused Triton kernel walking the nodes in topological order, each node's full
@@ -82,17 +82,16 @@ def make_case(B, N, cfg, seed, dtype=torch.bfloat16, dev="cuda"):
     return finish_case(dict(q=q, k=k, v=v, g=g, beta=beta), tree, gen)
 
 
-def run_ours(c, state, pending, verify_only=False, fused=False):
+def run_ours(c, state, pending, verify_only=False):
     """One decode step of ours: stash the previous accepted path, then commit it and verify the
-    tree (``gdn_tree_step``'s default: two launches; ``fused``: the one-launch form)."""
+    tree (two launches)."""
     tree = c["tree_dev"]
     if verify_only:
         return lambda: gdn_tree_step(c["q"], c["k"], c["v"], c["g"], c["beta"], tree, state, c["slots_dev"], None)
 
     def step():
         stash_accepted_path(pending, c["slots_dev"], tree, c["acc_dev"], c["k"], c["v"], c["g"], c["beta"])
-        return gdn_tree_step(c["q"], c["k"], c["v"], c["g"], c["beta"], tree, state, c["slots_dev"], pending,
-                             fuse_commit=fused)
+        return gdn_tree_step(c["q"], c["k"], c["v"], c["g"], c["beta"], tree, state, c["slots_dev"], pending)
 
     return step
 
@@ -196,7 +195,6 @@ def main():
                 m_mean = c["m_mean"]
                 ours = bench_ms(run_ours(c, state, pending))
                 verify_only = bench_ms(run_ours(c, state, pending, verify_only=True))
-                fused = bench_ms(run_ours(c, state, pending, fused=True))
                 serial_fn, serial_tokens = serial_setup(c, state)
                 serial = bench_ms(serial_fn)
                 pn_fn, pn_bytes = per_node_setup(c, state, cfg)
@@ -207,12 +205,12 @@ def main():
                 rows.append(dict(
                     config=name, B=B, N=N, ours_ms=ours, serial_ms=serial, per_node_ms=per_node, floor_ms=fl,
                     ours_transient_bytes=ours_transient, per_node_transient_bytes=pn_bytes,
-                    ours_verify_only_ms=verify_only, ours_fused_ms=fused, floor_bytes=bytes_, floor_flops=flops,
+                    ours_verify_only_ms=verify_only, floor_bytes=bytes_, floor_flops=flops,
                     mean_accepted_path=m_mean, max_depth=c["tree"].max_depth, serial_path_tokens=serial_tokens,
                     Hk=Hk, Hv=Hv, K=K, V=V,
                 ))
                 r = rows[-1]
-                print(f"{name:18s} B={B:4d} N={N:4d} ours {ours:8.4f} ms (verify {verify_only:.4f}, fused {fused:.4f}) "
+                print(f"{name:18s} B={B:4d} N={N:4d} ours {ours:8.4f} ms (verify {verify_only:.4f}) "
                       f"serial {serial:8.4f} per_node {per_node:8.4f} floor {fl:.4f} | x floor {ours / fl:5.2f} "
                       f"serial/ours {serial / ours:6.1f} per_node/ours {per_node / ours:6.1f} "
                       f"mem {pn_bytes / ours_transient:7.1f}x", flush=True)

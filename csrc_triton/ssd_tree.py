@@ -5,9 +5,10 @@ committed state h0 ([BP, N] of ``state[slot, h]``, vLLM's ``[H, P, N]`` layout a
 strides, any float dtype, computed in fp32) and:
 
 1. commit (``HAS_PENDING``): if the slot holds a pending accepted path of m > 0 tokens (their own
-   inputs x, raw dt, B from the previous step), with a_j = dt_j A and Gp_j = a_1 + ... + a_j,
+   inputs x, raw dt, B from the previous step), in chunks of CP tokens, each from the state after
+   the previous chunk: with a_j = dt_j A and Gp_j = the within-chunk cumulative sum of a,
 
-       h <- exp(Gp_m) h + sum_{j <= m} exp(Gp_m - Gp_j) dt_j x_j B_j^T
+       h <- exp(Gp_last) h + sum_{j in chunk} exp(Gp_last - Gp_j) dt_j x_j B_j^T
 
    and write it back in place (one write per step);
 2. verify (``HAS_TREE``): every tree node's output from h and the node's ancestors only,
@@ -17,18 +18,23 @@ strides, any float dtype, computed in fp32) and:
 
    i.e. Y = diag(e^G) C h^T + (L o C B^T o dt^T) X + D X with L the ancestor-masked decay. No
    per-node state is formed and nothing needs inverting (the SSD recurrence has no delta rule).
+   Nodes go in row blocks of BR (topological order: block i only reads blocks j <= i). A tree
+   of at most BR nodes (64; 32 when d_state > 128) is one block; larger trees (up to 256 nodes)
+   loop over blocks, each block's G kept in a small fp32 scratch for the later blocks (written
+   and read back by the same program after a barrier).
 
 dt_eff = clamp(softplus(dt + dt_bias) if DT_SOFTPLUS else dt + dt_bias, lo, hi) (the oracle's
 convention; softplus threshold 20). Head h uses group h // (H // G). The group's C B^T is
-recomputed by every (head, P tile) program: a [BT, N] x [N, BT] product, cheap against the
-state tile's bytes. Precision: dots take bf16 operands with fp32 accumulation when the inputs
-are 16-bit or the tree has over 64 nodes (the state tile is rounded to bf16 for the C h^T
-product only), fp32 (tf32 on tensor cores) otherwise; the commit keeps fp32 operands and the
-state stays fp32 in registers (``tree_common.mm``). The plain-torch twin is ``vllm_bole.mamba.ssd_tree``; the
-accepted-path stash is the shared ``csrc_triton.tree_common.stash_kernel``.
+recomputed by every (head, P tile) program: a [BR, N] x [N, BR] product per block pair, cheap
+against the state tile's bytes. Precision: fp32 inputs -> fp32 operands (tf32 tensor-core
+products on the GPU, exact fp32 in the interpreter); 16-bit inputs -> bf16 operands with fp32
+accumulation (the state tile rounded to bf16 for the C h^T product only), emulated exactly under
+the interpreter (``tree_common.mm``); the commit keeps fp32 operands and the state stays fp32 in
+registers, stored in its own dtype. Shared memory on the H200 (227 KB): operand tiles stay at
+most [64, 128] fp32 (BP = BR = 32 when d_state = 256). The plain-torch twin is
+``vllm_bole.mamba.ssd_tree``; the accepted-path stash is the shared
+``csrc_triton.tree_common.stash_kernel``.
 """
-import os
-
 import triton
 import triton.language as tl
 
@@ -46,14 +52,74 @@ def _dt_eff(dt, dt_bias_h, lo, hi, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.co
 
 
 @triton.jit
+def _block_G(dt, anc_mask, bos, n, rows, row_ok, nblk, h, A_h, bias_h, lo, hi, H: tl.constexpr, BR: tl.constexpr,
+             MW: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
+    """G[r] = sum of dt_eff A over the ancestors-or-self of flat node rows[r], all in blocks < nblk."""
+    o_c = tl.arange(0, BR)
+    G = tl.zeros([BR], dtype=tl.float32)
+    for cb in range(0, nblk):
+        cols = cb * BR + o_c
+        cm = cols < n
+        M = anc_tile(anc_mask, rows, row_ok, cols, cm, MW)
+        d = _dt_eff(tl.load(dt + (bos + cols).to(tl.int64) * H + h, mask=cm, other=0.0), bias_h, lo, hi,
+                    HAS_DT_BIAS, DT_SOFTPLUS)
+        G += tl.sum(tl.where(M, tl.where(cm, d * A_h, 0.0)[None, :], 0.0), axis=1)
+    return G
+
+
+@triton.jit
+def _verify_block(
+    ib, x, dt, Bm, Cm, y, gscr, anc_mask, bos, n, h, g, S, A_h, bias_h, lo, hi, D_h, o_p, pmask, o_n, nm,
+    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BR: tl.constexpr, MW: tl.constexpr,
+    MULTI: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    LOWP: tl.constexpr, EMUL: tl.constexpr,
+):
+    """Outputs of row block ib for one P tile (MULTI: its G into the scratch for later blocks)."""
+    o_r = tl.arange(0, BR)
+    ri = ib * BR + o_r
+    mi = ri < n
+    rows_i = (bos + ri).to(tl.int64)
+    G_i = _block_G(dt, anc_mask, bos, n, rows_i, mi, ib + 1, h, A_h, bias_h, lo, hi, H, BR, MW, HAS_DT_BIAS, DT_SOFTPLUS)
+    C_i = tl.load(Cm + (rows_i[:, None] * G + g) * N + o_n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+    out = tl.exp(G_i)[:, None] * mm(C_i, tl.trans(S), LOWP, EMUL)
+    if MULTI:
+        for jb in range(0, ib):
+            rj = jb * BR + o_r
+            mj = rj < n
+            rows_j = (bos + rj).to(tl.int64)
+            G_j = tl.load(gscr + rows_j * H + h, mask=mj, other=0.0)
+            dt_j = tl.where(mj, _dt_eff(tl.load(dt + rows_j * H + h, mask=mj, other=0.0), bias_h, lo, hi,
+                                        HAS_DT_BIAS, DT_SOFTPLUS), 0.0)
+            B_j = tl.load(Bm + (rows_j[:, None] * G + g) * N + o_n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
+            X_j = tl.load(x + (rows_j[:, None] * H + h) * P + o_p[None, :], mask=mj[:, None] & pmask[None, :], other=0.0)
+            M = anc_tile(anc_mask, rows_i, mi, rj, mj, MW)
+            W = tl.exp(tl.where(M, G_i[:, None] - G_j[None, :], float("-inf"))) * dt_j[None, :] * mm(C_i, tl.trans(B_j), LOWP, EMUL)
+            out += mm(W, X_j, LOWP, EMUL)
+    dt_i = tl.where(mi, _dt_eff(tl.load(dt + rows_i * H + h, mask=mi, other=0.0), bias_h, lo, hi, HAS_DT_BIAS, DT_SOFTPLUS), 0.0)
+    B_i = tl.load(Bm + (rows_i[:, None] * G + g) * N + o_n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+    x_mask = mi[:, None] & pmask[None, :]
+    x_off = (rows_i[:, None] * H + h) * P + o_p[None, :]
+    X_i = tl.load(x + x_off, mask=x_mask, other=0.0)
+    M = anc_tile(anc_mask, rows_i, mi, ri, mi, MW)
+    W = tl.exp(tl.where(M, G_i[:, None] - G_i[None, :], float("-inf"))) * dt_i[None, :] * mm(C_i, tl.trans(B_i), LOWP, EMUL)
+    out += mm(W, X_i, LOWP, EMUL)
+    if HAS_D:
+        out += D_h * X_i.to(tl.float32)
+    tl.store(y + x_off, out.to(y.dtype.element_ty), mask=x_mask)
+    if MULTI:
+        tl.store(gscr + rows_i * H + h, G_i, mask=mi)
+        tl.debug_barrier()  # later blocks of this program read G_i back
+
+
+@triton.jit
 def ssd_tree_step_kernel(
-    x, dt, Bm, Cm, y,  # tree inputs [T, H, P], [T, H], [T, G, N] x2; y [T, H, P]
-    cu_nodes, anc_mask,  # [B + 1] int32, [T, MW] int32
+    x, dt, Bm, Cm, y, gscr,  # tree inputs [T, H, P], [T, H], [T, G, N] x2; y [T, H, P]; gscr [P tiles, T, H] fp32 (MULTI)
+    cu_nodes, anc_mask, T,  # [B + 1] int32, [T, MW] int32, T
     A, D, dt_bias, dt_lo, dt_hi,  # [H] fp32 (D, dt_bias: dummies when absent), dt clamp
     state, state_idx, s_slot, s_h, s_p, s_n,  # state[slot, h, p, n] through strides; state_idx [B]
     px, pdt, pB, plen, L,  # pending path: [S, L, H, P], [S, L, H], [S, L, G, N], [S]
     H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, MW: tl.constexpr,
+    BR: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, MW: tl.constexpr, MULTI: tl.constexpr,
     HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, LOWP: tl.constexpr, BF16_EMUL: tl.constexpr, EVEN: tl.constexpr,
 ):
@@ -81,17 +147,19 @@ def ssd_tree_step_kernel(
     if HAS_PENDING:
         m = tl.load(plen + slot)
         if m > 0:
-            o_j = tl.arange(0, DP)
-            jm = o_j < m
-            prow = slot * L + o_j
-            dtp = _dt_eff(tl.load(pdt + prow * H + h, mask=jm, other=0.0), bias_h, dt_lo, dt_hi, HAS_DT_BIAS, DT_SOFTPLUS)
-            dtp = tl.where(jm, dtp, 0.0)
-            Gp = tl.cumsum(dtp * A_h, axis=0)
-            Gm = tl.sum(tl.where(o_j == m - 1, Gp, 0.0), axis=0)
-            w = tl.where(jm, tl.exp(Gm - Gp) * dtp, 0.0)
-            Xp = tl.load(px + (prow[:, None] * H + h) * P + o_p[None, :], mask=jm[:, None] & pmask[None, :], other=0.0)
-            Bp = tl.load(pB + (prow[:, None] * G + g) * N + o_n[None, :], mask=jm[:, None] & nm[None, :], other=0.0)
-            S = tl.exp(Gm) * S + tl.dot(tl.trans(Xp.to(tl.float32) * w[:, None]), Bp.to(tl.float32))
+            o_c = tl.arange(0, CP)
+            for c0 in range(0, m, CP):  # the path in chunks of CP tokens, each from the state after the last
+                o_j = c0 + o_c
+                jm = o_j < m
+                prow = slot * L + o_j
+                dtp = _dt_eff(tl.load(pdt + prow * H + h, mask=jm, other=0.0), bias_h, dt_lo, dt_hi, HAS_DT_BIAS, DT_SOFTPLUS)
+                dtp = tl.where(jm, dtp, 0.0)
+                Gp = tl.cumsum(dtp * A_h, axis=0)
+                Gm = tl.sum(tl.where(o_j == tl.minimum(m, c0 + CP) - 1, Gp, 0.0), axis=0)
+                w = tl.where(jm, tl.exp(Gm - Gp) * dtp, 0.0)
+                Xp = tl.load(px + (prow[:, None] * H + h) * P + o_p[None, :], mask=jm[:, None] & pmask[None, :], other=0.0)
+                Bp = tl.load(pB + (prow[:, None] * G + g) * N + o_n[None, :], mask=jm[:, None] & nm[None, :], other=0.0)
+                S = tl.exp(Gm) * S + tl.dot(tl.trans(Xp.to(tl.float32) * w[:, None]), Bp.to(tl.float32))
             if EVEN:
                 tl.store(s_ptr, S.to(state.dtype.element_ty))
             else:
@@ -100,77 +168,79 @@ def ssd_tree_step_kernel(
     if HAS_TREE:
         bos = tl.load(cu_nodes + b)
         n = tl.load(cu_nodes + b + 1) - bos
-        o_t = tl.arange(0, BT)
-        tm = o_t < n
-        rows = (bos + o_t).to(tl.int64)
-        M = anc_tile(anc_mask, rows, o_t, tm, MW)
-        dtt = _dt_eff(tl.load(dt + rows * H + h, mask=tm, other=0.0), bias_h, dt_lo, dt_hi, HAS_DT_BIAS, DT_SOFTPLUS)
-        dtt = tl.where(tm, dtt, 0.0)
-        Gt = tl.sum(tl.where(M, (dtt * A_h)[None, :], 0.0), axis=1)
-        bc_mask = tm[:, None] & nm[None, :]
-        Ct = tl.load(Cm + (rows[:, None] * G + g) * N + o_n[None, :], mask=bc_mask, other=0.0)
-        Bt = tl.load(Bm + (rows[:, None] * G + g) * N + o_n[None, :], mask=bc_mask, other=0.0)
-        CB = mm(Ct, tl.trans(Bt), LOWP, BF16_EMUL)
-        W = tl.exp(tl.where(M, Gt[:, None] - Gt[None, :], float("-inf"))) * dtt[None, :] * CB
-        x_mask = tm[:, None] & pmask[None, :]
-        x_off = (rows[:, None] * H + h) * P + o_p[None, :]
-        Xt = tl.load(x + x_off, mask=x_mask, other=0.0)
-        out = tl.exp(Gt)[:, None] * mm(Ct, tl.trans(S), LOWP, BF16_EMUL) + mm(W, Xt, LOWP, BF16_EMUL)
+        D_h = 0.0
         if HAS_D:
-            out += tl.load(D + h).to(tl.float32) * Xt.to(tl.float32)
-        tl.store(y + x_off, out.to(y.dtype.element_ty), mask=x_mask)
+            D_h = tl.load(D + h).to(tl.float32)
+        gscr += tl.program_id(1).to(tl.int64) * T * H
+        if MULTI:
+            for ib in range(0, tl.cdiv(n, BR)):
+                _verify_block(ib, x, dt, Bm, Cm, y, gscr, anc_mask, bos, n, h, g, S, A_h, bias_h, dt_lo, dt_hi, D_h,
+                              o_p, pmask, o_n, nm, H, G, P, N, BR, MW, True, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS,
+                              LOWP, BF16_EMUL)
+        else:
+            _verify_block(0, x, dt, Bm, Cm, y, gscr, anc_mask, bos, n, h, g, S, A_h, bias_h, dt_lo, dt_hi, D_h,
+                          o_p, pmask, o_n, nm, H, G, P, N, BR, MW, False, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS,
+                          LOWP, BF16_EMUL)
 
 
 def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out=None,
-                  *, block_p=64, num_warps=None, num_stages=1, lowp=None):
+                  *, block_p=None, block_r=None, num_warps=4, num_stages=1, lowp=None):
     """Launch ``ssd_tree_step_kernel``; arguments as ``vllm_bole.mamba.ssd_tree.ssd_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
     Returns y [T, H, P] in x's dtype (``out`` if given; None without a tree).
+    Defaults: BP = 64 (32 when d_state > 128); trees of up to 64 nodes (32 when d_state > 128)
+    are one block of that size rounded up to a power of two (>= 16), larger trees run blocks of
+    BR = 32; pending paths in chunks of 32 tokens (16 for paths of <= 16). ``lowp`` (bf16
+    operands) defaults to 16-bit inputs.
     """
     import torch
 
     H, P, N = state.shape[1:]
     nB = state_idx.numel()
+    BN = max(16, triton.next_power_of_2(N))
+    BP = min(block_p or (32 if BN > 128 else 64), max(16, triton.next_power_of_2(P)))
+    n_pt = triton.cdiv(P, BP)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     A = f32(A)
+    BR, multi, gscr = 16, False, state
     if tree is not None:
         x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))  # the kernel assumes dense rows (no copy if they are)
         G = B.shape[1]
         T = x.shape[0]
         BT = max(16, triton.next_power_of_2(tree.max_nodes))
+        one_block = 64 if BN <= 128 else 32
+        BR = min(BT, block_r) if block_r else (BT if BT <= one_block else 32)
+        multi = BT > BR
+        if multi:
+            gscr = torch.empty(n_pt, T, H, dtype=torch.float32, device=x.device)
         if out is None:
             out = torch.empty(T, H, P, dtype=x.dtype, device=x.device)
-        tree_args = (x, dt, B, C, out, tree.cu_nodes, tree.anc_mask)
+        assert out.is_contiguous(), "out must be contiguous"
+        tree_args = (x, dt, B, C, out, gscr, tree.cu_nodes, tree.anc_mask, T)
         MW = tree.anc_mask.shape[1]
     else:
         G = pending.B.shape[2]
-        out, BT, MW = None, 16, 1
-        tree_args = (state, state, state, state, state, state_idx, state_idx)
+        out, MW = None, 1
+        tree_args = (state, state, state, state, state, state, state_idx, state_idx, 0)
     if pending is not None:
         Lmax = pending.max_len
-        DP = max(16, triton.next_power_of_2(Lmax))
+        CP = min(32, max(16, triton.next_power_of_2(Lmax)))
         pend_args = (pending.x, pending.dt, pending.B, pending.length, Lmax)
     else:
-        DP = 16
+        CP = 16
         pend_args = (state, state, state, state_idx, 0)
-    BP = min(block_p, triton.next_power_of_2(P))
-    BN = triton.next_power_of_2(N)
     if lowp is None:
-        lowp = BT >= 128 or (tree is not None and x.element_size() == 2)
-    if num_warps is None:
-        num_warps = 4 if BT <= 64 else 8
-    kernel = ssd_tree_step_kernel[(nB * H, triton.cdiv(P, BP))](
+        lowp = tree is not None and x.element_size() == 2
+    ssd_tree_step_kernel[(nB * H, n_pt)](
         *tree_args,
         A, f32(D) if D is not None else A, f32(dt_bias) if dt_bias is not None else A,
         float(dt_limit[0]), float(dt_limit[1]),
         state, state_idx, *state.stride(),
         *pend_args,
-        H=H, G=G, P=P, N=N, BT=BT, BP=BP, BN=BN, DP=DP, MW=MW, EVEN=P % BP == 0 and BN == N,
+        H=H, G=G, P=P, N=N, BR=BR, BP=BP, BN=BN, CP=CP, MW=MW, MULTI=multi, EVEN=P % BP == 0 and BN == N,
         HAS_TREE=tree is not None, HAS_PENDING=pending is not None, HAS_D=D is not None,
-        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), LOWP=lowp, BF16_EMUL=INTERPRET,
+        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), LOWP=bool(lowp), BF16_EMUL=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if os.environ.get("BOLE_KERNEL_STATS"):
-        print(f"ssd_tree_step_kernel BT={BT} DP={DP} BP={BP}: regs {kernel.n_regs} spills {kernel.n_spills} smem {kernel.metadata.shared}")
     return out

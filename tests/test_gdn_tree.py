@@ -51,11 +51,11 @@ def test_verify_matches_oracle(impl, shape, layout):
     assert torch.equal(cache, before), "verification alone must not write the state"
 
 
-@pytest.mark.parametrize("impl,fuse", [("torch", False), ("triton", False), ("triton", True)])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", ["chains_batch", "deep16", "ragged", "random"])
-def test_step_commits_previous_path_then_verifies(impl, fuse, shape):
+def test_step_commits_previous_path_then_verifies(impl, shape):
     """Two steps: verify tree 1, accept a random root-to-node path per request, then one step
-    commits it and verifies tree 2 (Triton: two launches, or one with ``fuse_commit``); compare
+    commits it and verifies tree 2 (Triton: two launches); compare
     outputs and the final states with the oracle."""
     gen = torch.Generator().manual_seed(hash((impl, shape, "step")) % 2**31)
     tree1 = make_tree_shape(shape, seed=int(torch.randint(1000, (1,), generator=gen)))
@@ -78,7 +78,7 @@ def test_step_commits_previous_path_then_verifies(impl, fuse, shape):
     tree2 = random_tree_batch([int(torch.randint(1, 20, (1,), generator=gen)) for _ in range(B)], generator=gen)
     q2, k2, v2, g2, beta2 = _inputs(tree2.num_nodes, gen)
     before_untouched = cache[untouched].clone()
-    o2 = gdn_tree_step(q2, k2, v2, g2, beta2, tree2, cache, slots, pending, impl=impl, fuse_commit=fuse)
+    o2 = gdn_tree_step(q2, k2, v2, g2, beta2, tree2, cache, slots, pending, impl=impl)
     o2_ref, _ = gdn_tree_reference(tree2, q2, k2, v2, g2, beta2, S1)
     assert rel_err(cache[slots.long()], S1) < 1e-4
     assert rel_err(o2, o2_ref) < 1e-4

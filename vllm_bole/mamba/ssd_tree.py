@@ -10,6 +10,8 @@ Layouts (T flat tree nodes, B requests, S state slots; the oracle's conventions,
   state       [S, H, P, N] fp32 (or the model dtype), any strides: vLLM's mamba2 ``ssm_state``
               as is; request b owns slot ``state_idx[b]`` (distinct slots)
   y           [T, H, P]    in x's dtype: h C + D x, BEFORE the model's z gate and norm
+Envelope (``check_ssd_dims``): head_dim and d_state up to 256, n_groups dividing H; trees as
+``TreeBatch`` allows (<= 256 nodes, depth <= 64).
 dt_eff = clamp(softplus(dt + dt_bias) if dt_softplus else dt + dt_bias, *dt_limit).
 
 Closed form (no per-node state, nothing to invert): with a_j = dt_j A and G_i the sum of a over
@@ -54,6 +56,20 @@ class PendingPath(tree_common.PendingPath):
         return cls.allocate(num_slots, max_len, dict(x=((H, P), dtype), dt=((H,), dt_dtype), B=((G, N), dtype)), device)
 
 
+MAX_DIM = 256
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_ssd_dims(H: int, G: int, P: int, N: int) -> None:
+    """Refuse dimensions outside the kernels' envelope (one-line ValueError naming the field)."""
+    if not 1 <= P <= MAX_DIM:
+        raise ValueError(f"Mamba2 head_dim={P} is not supported: head_dim must be from 1 to {MAX_DIM} (models: 32, 64, 128)")
+    if not 1 <= N <= MAX_DIM:
+        raise ValueError(f"Mamba2 d_state={N} is not supported: d_state must be from 1 to {MAX_DIM} (models: 16, 64, 128, 256)")
+    if G < 1 or H % G:
+        raise ValueError(f"Mamba2 n_groups={G} is not supported: n_groups must divide the {H} heads")
+
+
 def ssd_tree_step(
     x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
     *, D=None, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.0, INF), out=None, impl: str = "auto",
@@ -63,8 +79,17 @@ def ssd_tree_step(
     Returns y [T, H, P] (written into ``out`` when given; None when ``tree`` is None: commit
     only). Pending lengths of the touched slots are reset to 0.
     """
-    if use_triton(impl, state):
+    triton = use_triton(impl, state)
+    if tree is None and pending is None:
+        return None
+    H, P, N = state.shape[1:]
+    check_ssd_dims(H, B.shape[1] if tree is not None else pending.B.shape[2], P, N)
+    if triton:
         from csrc_triton.ssd_tree import ssd_tree_step as launch
+
+        for t in (state, x):
+            if t is not None and t.dtype not in KERNEL_DTYPES:
+                raise ValueError(f"dtype {t.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
 
         y = launch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out)
     else:
