@@ -1,6 +1,7 @@
-"""Pure logic of the acceptance benchmark (no model, no data): greedy acceptance of a draft tree
-against a known target continuation, the decoding walk, k-ary templates, calibration statistics
-and sparse-to-dense candidate compaction. Tested in ``tests/test_acceptance_sim.py``.
+"""Simulation of the acceptance benchmark (no model, no data): greedy acceptance of a draft tree
+against a known target continuation, the decoding walk, calibration statistics, sparse-to-dense
+candidate compaction, and the simulated decoding of a corpus per drafter and builder
+(:class:`Corpus`, :class:`NgramTable`, :func:`simulate`). Tested in ``tests/test_acceptance_sim.py``.
 
 Greedy verification descends into the child whose token is the target's argmax at the current
 node and stops where no child matches; the target's argmax along the accepted path is exactly its
@@ -15,15 +16,25 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_bole.spec_decode.builders import StaticTree
+from vllm_bole.spec_decode.ngram import NgramDrafter
+from vllm_bole.spec_decode.offline import (
+    acceptance_stats,
+    build_best_first,
+    build_best_first_autoregressive,
+    build_static,
+)
 from vllm_bole.spec_decode.tree import TreeBatch
 
 __all__ = [
+    "Corpus",
+    "NgramTable",
     "accepted_lengths",
+    "build_trees",
     "compact_candidates",
     "conditioned_observations",
-    "kary_template",
     "rank_of",
+    "sequoia_table",
+    "simulate",
     "walk",
 ]
 
@@ -80,17 +91,6 @@ def walk(lengths: Sequence[int], accept_fn: Callable[[torch.Tensor, torch.Tensor
     return steps, acc
 
 
-def kary_template(k: int, budget: int) -> StaticTree:
-    """The first ``budget`` draft nodes, in breadth-first order, of the infinite ``k``-ary tree
-    (every node's children take ranks ``0..k-1``): a complete ``k``-ary tree of exactly
-    ``budget`` draft nodes (``k = 1`` is the chain)."""
-    if k < 1 or budget < 0:
-        raise ValueError("need k >= 1 and budget >= 0")
-    parents = [-1] + [(i - 1) // k for i in range(1, budget + 1)]
-    ranks = [0] + [(i - 1) % k for i in range(1, budget + 1)]
-    return StaticTree(tuple(parents), tuple(ranks))
-
-
 def rank_of(cand_tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Rank of ``target [...]`` among ``cand_tokens [..., K]`` (sorted best first, ``-1``
     padding): its index, or ``-1`` if absent."""
@@ -100,7 +100,7 @@ def rank_of(cand_tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def conditioned_observations(ranks: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Observations for :func:`~vllm_bole.spec_decode.builders.acceptance_stats` from
+    """Observations for :func:`~vllm_bole.spec_decode.offline.acceptance_stats` from
     teacher-forced ranks ``[S, D]`` (``ranks[s, d - 1]``: rank of the target's token at depth
     ``d`` of sample ``s`` in the drafter's distribution after the true path; ``-1``: absent or
     unknown). The observation at depth ``d`` is kept only when every shallower true token has a
@@ -132,3 +132,143 @@ def compact_candidates(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch
     marg.scatter_add_(-1, ids, torch.where(tokens >= 0, probs.float(), torch.zeros_like(probs.float())))
     marg[..., 0] = 0.0
     return marg, table
+
+
+# ------------------------------------------------------------------------- corpus simulation
+class Corpus:
+    """Prompts with their reference continuations, flattened for batched lookups."""
+
+    def __init__(self, prompts, conts, hids, pad_depth: int):
+        self.prompts, self.conts, self.hids = prompts, conts, hids
+        self.L = torch.tensor([c.numel() for c in conts], dtype=torch.long)
+        Lm = int(self.L.max()) if len(conts) else 0
+        self.ref = torch.full((len(conts), Lm + pad_depth + 1), -1, dtype=torch.long)
+        for i, c in enumerate(conts):
+            self.ref[i, : c.numel()] = c
+        self.off = torch.cat([torch.zeros(1, dtype=torch.long), self.L.cumsum(0)[:-1]]) if len(conts) else self.L
+        self.H = torch.cat(hids) if hids else None
+
+    def __len__(self):
+        return len(self.conts)
+
+    def roots(self, p, t):  # root c_t (1-based t)
+        return self.ref[p, t - 1]
+
+    def reference(self, p, t, D):  # target tokens at depths 1..D after root c_t
+        return self.ref[p[:, None], t[:, None] + torch.arange(D)[None, :]]
+
+    def hidden(self, p, t):  # hidden state that produced c_t
+        return self.H[self.off[p] + t - 1]
+
+    def positions(self, stride: int = 1):
+        """All roots (p, t), 1 <= t < L."""
+        ps, ts = [], []
+        for p in range(len(self)):
+            t = torch.arange(1, int(self.L[p]), stride)
+            ps.append(torch.full_like(t, p))
+            ts.append(t)
+        return torch.cat(ps), torch.cat(ts)
+
+
+class NgramTable:
+    """Per-depth n-gram candidates for every root position of a corpus, computed once (one
+    batched proposal per prompt: every prefix of its reference at once)."""
+
+    def __init__(self, corpus: Corpus, drafter: NgramDrafter, depth: int):
+        self.depth = depth
+        self.rows: dict[tuple[int, int], int] = {}
+        toks, probs = [], []
+        for p in range(len(corpus)):
+            ctx = torch.cat([torch.tensor(corpus.prompts[p], dtype=torch.long), corpus.conts[p]])
+            P, ts = len(corpus.prompts[p]), range(1, int(corpus.L[p]))
+            if not ts:
+                continue
+            cands = drafter.propose([ctx[: P + t] for t in ts], [depth] * len(ts))
+            for t in ts:
+                self.rows[(p, t)] = sum(x.shape[0] for x in toks) + t - 1
+            toks.append(cands.tokens)
+            probs.append(cands.probs)
+        K = drafter.top_k
+        self.tokens = torch.cat(toks) if toks else torch.zeros(0, depth, K, dtype=torch.long)
+        probs = torch.cat(probs) if probs else torch.zeros(0, depth, K)
+        # strict order of candidates inside a depth (ties broken as the drafter sorted them), so
+        # that builders' top-k on dense marginals sees the drafter's ranks
+        self.probs = probs * (1.0 - 1e-6 * torch.arange(K, dtype=torch.float32))
+
+    def get(self, p, t, D):
+        idx = torch.tensor([self.rows[(int(a), int(b))] for a, b in zip(p, t)], dtype=torch.long)
+        return self.tokens[idx, :D], self.probs[idx, :D]
+
+
+def build_trees(drafter: str, builder: str, N: int, template, roots, ngram=None, step=None):
+    """One batch of trees. Returns (tree, node_tokens in real ids)."""
+    if drafter == "ngram":
+        tok, prob = ngram
+        marg, table = compact_candidates(tok, prob)
+        if builder == "best-first":
+            # every depth has at most tok.shape[-1] tokens of positive mass, so considering that
+            # many children per node is still exact (zero-mass children are never added)
+            dt = build_best_first(roots, marg, N, max_depth=N, top_k=min(N, tok.shape[-1]))
+        else:
+            dt = build_static(template, roots, marginals=marg, keep_dists=False)
+        mapped = table[dt.tree.token_ids.clamp(min=0, max=table.numel() - 1)]
+    else:
+        if builder == "best-first":
+            dt = build_best_first_autoregressive(roots, step, N, max_depth=N, keep_dists=False)
+        else:
+            dt = build_static(template, roots, step_fn=step, keep_dists=False)
+        mapped = step.head.shortlist[dt.tree.token_ids.clamp(min=0, max=step.head.shortlist.numel() - 1)]
+    nonroot = dt.tree.depth > 0
+    node_tokens = torch.where(nonroot & (dt.draft_probs > 0), mapped, torch.full_like(mapped, -1))
+    return dt.tree, node_tokens
+
+
+def sequoia_table(drafter: str, corpus: Corpus, D: int, K: int, stride: int, ngram_table=None, head=None):
+    """Positional acceptance table [D, K] from a calibration corpus (teacher-forced ranks)."""
+    p, t = corpus.positions(stride)
+    if p.numel() == 0:
+        return torch.zeros(D, K)
+    ref = corpus.reference(p, t, D)  # [S, D]
+    if drafter == "ngram":
+        tok, _ = ngram_table.get(p, t, D)
+        ranks = rank_of(tok, ref)
+    else:
+        from draft_head import HeadStepFn
+
+        ranks = torch.empty(p.numel(), D, dtype=torch.long)
+        for i in range(0, p.numel(), 256):
+            sl = slice(i, i + 256)
+            inputs = torch.cat([corpus.roots(p[sl], t[sl])[:, None], ref[sl, :-1].clamp(min=0)], 1)
+            probs = HeadStepFn(head, corpus.hidden(p[sl], t[sl]), inputs[:, 0]).teacher_forced_probs(inputs)
+            sid = head.inv_shortlist[ref[sl].clamp(min=0)]
+            pt = probs.gather(-1, sid.clamp(min=0)[..., None])
+            r = (probs > pt).sum(-1)
+            ranks[sl] = torch.where(sid >= 0, r, torch.full_like(r, -1))
+    ranks = torch.where(ref >= 0, ranks, torch.full_like(ranks, -2))
+    depths, rks = conditioned_observations(ranks, K)
+    return acceptance_stats(depths, rks, K, D)
+
+
+def simulate(drafter: str, builder: str, N: int, template, corpus: Corpus, ngram_table=None, head=None,
+             chunk: int = 256):
+    from draft_head import HeadStepFn
+
+    stats = {"nodes": 0}
+
+    def accept_fn(p, t):
+        out = []
+        for i in range(0, p.numel(), chunk):
+            pp, tt = p[i:i + chunk], t[i:i + chunk]
+            roots = corpus.roots(pp, tt)
+            if drafter == "ngram":
+                tree, nt = build_trees(drafter, builder, N, template, roots, ngram=ngram_table.get(pp, tt, N))
+            else:
+                step = HeadStepFn(head, corpus.hidden(pp, tt), roots)
+                tree, nt = build_trees(drafter, builder, N, template, roots, step=step)
+                stats["nodes"] += step.nodes
+            acc, _ = accepted_lengths(tree, nt, corpus.reference(pp, tt, N))
+            out.append(acc)
+        return torch.cat(out)
+
+    steps, acc = walk(corpus.L.tolist(), accept_fn)
+    return steps, acc, stats["nodes"]

@@ -18,17 +18,19 @@ prompts (best-first trees rank paths by the product of draft probabilities, so t
 calibrated). Deterministic from a seed on a given machine and thread count.
 
 :class:`HeadStepFn` adapts it to the builders' autoregressive interface (``step_fn(frontier)``),
-keeping every node's state keyed by (request, node id).
+keeping every node's state keyed by (request, node id). :func:`get_head` loads the benchmark's
+head from the cache or trains it (data from ``benchmarks/acceptance_data.py``).
 """
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_bole.spec_decode.builders import Frontier
+from vllm_bole.spec_decode.offline import Frontier
 
 
 class RMSNorm(nn.Module):
@@ -263,3 +265,60 @@ class HeadStepFn:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             logits = self.head.unroll(self.h, tokens)
         return torch.softmax(logits, -1, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------ benchmark training
+def get_head(args, tok, model, use_cache: bool):
+    """The benchmark's draft head: loaded from the cache, or trained on the target's greedy
+    continuations of ShareGPT prompts (settings in ``args``, see ``acceptance_quality.py``)."""
+    from acceptance_data import cache_root, cached_generation, digest, log, sharegpt_prompts
+
+    embed = model.model.embed_tokens.weight.detach().float()
+    out_norm = model.model.norm.weight.detach().float()
+    prompts, gpt_texts = sharegpt_prompts(tok, args.train_prompts, args.seed, args.max_prompt_tokens)
+    conts, hids, _ = cached_generation(model, prompts, args.train_tokens, tok.eos_token_id, tok.pad_token_id,
+                                       args.gen_batch, "sharegpt", use_cache)
+    cfg = {"prompts": digest(prompts), "train_tokens": args.train_tokens, "shortlist": args.shortlist,
+           "width": args.head_width, "depth": args.train_depth, "epochs": args.epochs, "lr": args.lr,
+           "weight_decay": args.weight_decay, "dropout": args.dropout, "seed": args.seed,
+           "batch": args.train_batch, "val_frac": args.val_frac, "version": 3}
+    f = cache_root() / f"draft_head_{digest(cfg)}.pt"
+    if use_cache and f.exists():
+        d = torch.load(f)
+        head = DraftHead(embed, d["shortlist"], width=args.head_width, out_norm=out_norm, dropout=args.dropout)
+        head.load_state_dict(d["state"])
+        head.eval()
+        log(f"draft head: loaded {f}")
+        return head, d["info"], True
+    # draft vocabulary: every token of the training continuations, then the most frequent tokens
+    # of ShareGPT assistant turns (no test data)
+    V = embed.shape[0]
+    cnt = torch.zeros(V, dtype=torch.float64)
+    for c in conts:
+        cnt.index_add_(0, c, torch.full((c.numel(),), 1e6, dtype=torch.float64))
+    enc = tok(gpt_texts[:3000], add_special_tokens=False)["input_ids"]
+    for ids in enc:
+        t = torch.tensor(ids[:1024], dtype=torch.long)
+        cnt.index_add_(0, t, torch.ones(t.numel(), dtype=torch.float64))
+    shortlist = torch.sort(torch.argsort(-cnt, stable=True)[: args.shortlist]).values
+    torch.manual_seed(args.seed)  # initial weights (and dropout) from the seed
+    head = DraftHead(embed, shortlist, width=args.head_width, out_norm=out_norm, dropout=args.dropout)
+    n_val = max(1, int(round(args.val_frac * len(conts))))
+    tr = training_samples(conts[n_val:], hids[n_val:], args.train_depth, head.inv_shortlist)
+    va = training_samples(conts[:n_val], hids[:n_val], args.train_depth, head.inv_shortlist)
+    n_params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    log(f"draft head: training {n_params / 1e6:.2f}M params on {tr[0].shape[0]} positions "
+        f"({len(conts) - n_val} prompts; {va[0].shape[0]} validation positions), depth {args.train_depth}, "
+        f"shortlist {args.shortlist}")
+    t = time.time()
+    res = train_head(head, *tr, epochs=args.epochs, lr=args.lr, batch=args.train_batch, seed=args.seed,
+                     weight_decay=args.weight_decay, log=log, val=va)
+    log(f"draft head: best epoch {res['best_epoch']}, temperatures by depth {res['temperatures']}, "
+        f"held-out top-1 by depth {res['val_top1_by_depth']}")
+    info = {"train_positions": int(tr[0].shape[0]), "val_positions": int(va[0].shape[0]),
+            "train_prompts": len(conts) - n_val, "val_prompts": n_val, "trainable_params": n_params,
+            "train_seconds": round(time.time() - t, 1), **res,
+            "sharegpt_prompts": len(conts), "sharegpt_tokens": int(sum(c.numel() for c in conts)), **cfg}
+    torch.save({"shortlist": shortlist, "state": head.state_dict(), "info": info}, f)
+    log(f"draft head: saved {f}")
+    return head, info, False

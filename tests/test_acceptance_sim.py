@@ -1,7 +1,7 @@
 """Pure logic of the acceptance benchmark (no model, no data): greedy acceptance of a tree against a
 known continuation (vs brute force and vs greedy verification), the decoding walk, k-ary templates,
-calibration observations, candidate compaction, and the n-gram drafter (vs a direct
-implementation of its definition)."""
+calibration observations, candidate compaction, the n-gram drafter (vs a direct
+implementation of its definition, batched vs one by one) and the corpus simulation."""
 import os
 import random
 import sys
@@ -15,12 +15,12 @@ from acceptance_sim import (  # noqa: E402
     accepted_lengths,
     compact_candidates,
     conditioned_observations,
-    kary_template,
     rank_of,
     walk,
 )
-from vllm_bole.spec_decode.builders import acceptance_stats, build_best_first, build_static, chain_tree  # noqa: E402
-from vllm_bole.spec_decode.ngram import NgramDrafter, proposals_to_marginals, suffix_match_lengths  # noqa: E402
+from vllm_bole.spec_decode.candidates import Candidates  # noqa: E402
+from vllm_bole.spec_decode.ngram import NgramDrafter, suffix_match_lengths  # noqa: E402
+from vllm_bole.spec_decode.offline import StaticTree, acceptance_stats, build_best_first, build_static  # noqa: E402
 from vllm_bole.spec_decode.tree import TreeBatch  # noqa: E402
 from vllm_bole.spec_decode.verification import verify_greedy  # noqa: E402
 
@@ -130,7 +130,7 @@ def test_walk_full_acceptance_and_empty():
 # ----------------------------------------------------------------------- templates, stats
 @pytest.mark.parametrize("k,n", [(1, 5), (2, 4), (2, 14), (3, 7), (4, 64)])
 def test_kary_template(k, n):
-    t = kary_template(k, n)
+    t = StaticTree.kary(k, n)
     assert t.budget == n and t.contiguous_ranks
     kids = {}
     for i in range(1, t.num_nodes):
@@ -140,7 +140,7 @@ def test_kary_template(k, n):
     assert all(len(kids[p]) == k for p in full)
     assert list(t.depths) == sorted(t.depths)
     if k == 1:
-        assert t.parents == chain_tree(n).parents
+        assert t.parents == StaticTree.chain(n).parents
 
 
 def test_conditioned_observations_and_stats():
@@ -166,7 +166,7 @@ def test_compact_candidates_round_trip_and_builders():
     prob = torch.tensor([[[0.5, 0.25, 0.0], [0.6, 0.0, 0.0]], [[0.9, 0.0, 0.0], [0.0, 0.0, 0.0]]])
     marg, table = compact_candidates(tok, prob)
     assert table[0] == -1 and marg[..., 0].abs().sum() == 0
-    dense = proposals_to_marginals(tok, prob, 1001)
+    dense = Candidates(tok, prob).to_dense(1001)
     for b in range(2):
         for d in range(2):
             for u in range(1, table.numel()):
@@ -177,7 +177,7 @@ def test_compact_candidates_round_trip_and_builders():
     p0, _ = dt.tree.request(0)
     assert sorted(real[1: len(p0)].tolist()) == [7, 7, 40]  # 40 -> 7 and 7 -> 7
     # zero-probability fillers of a static template never match
-    st = build_static(chain_tree(2), roots, marginals=marg, keep_dists=False)
+    st = build_static(StaticTree.chain(2), roots, marginals=marg, keep_dists=False)
     nt = torch.where((st.tree.depth > 0) & (st.draft_probs > 0), table[st.tree.token_ids.clamp(max=table.numel() - 1)],
                      torch.full_like(st.tree.token_ids, -1))
     acc, _ = accepted_lengths(st.tree, nt, torch.tensor([[40, 7], [1000, 0]]))
@@ -230,24 +230,48 @@ def test_ngram_proposal_matches_definition(seed):
     min_n, max_n = rng.choice([(1, 3), (2, 4), (1, 1)])
     dr = NgramDrafter(min_n, max_n, top_k=3, base=2.0, prior=1.0)
     D = 5
-    prop = dr.propose(c, D)
+    prop = dr.propose([c], [D]).validate()
+    assert prop.tokens.shape == (1, D, 3)
     want = brute_proposal(c, D, min_n, max_n, 2.0, 1.0, 3)
     for k in range(D):
-        toks = [t for t in prop.tokens[k].tolist() if t >= 0]
+        toks = [t for t in prop.tokens[0, k].tolist() if t >= 0]
         assert toks == [x for x, _ in want[k]]
-        assert prop.probs[k, : len(toks)].tolist() == pytest.approx([p for _, p in want[k]], rel=1e-5)
-        assert float(prop.probs[k].sum()) < 1.0
-        assert (prop.probs[k, len(toks):] == 0).all() and (prop.tokens[k, len(toks):] == -1).all()
+        assert prop.probs[0, k, : len(toks)].tolist() == pytest.approx([p for _, p in want[k]], rel=1e-5)
+        assert float(prop.probs[0, k].sum()) < 1.0
+        assert (prop.probs[0, k, len(toks):] == 0).all() and (prop.tokens[0, k, len(toks):] == -1).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ngram_batch_equals_one_by_one_and_definition(seed):
+    """One vectorised pass over a batch (ragged histories, per-request depths, a window, empty and
+    one-token histories) equals each request alone and the definition."""
+    rng = random.Random(50 + seed)
+    V = rng.choice([2, 3, 5])
+    hists = [[rng.randrange(V) for _ in range(rng.randint(0, 45))] for _ in range(7)] + [[], [1]]
+    depths = [rng.randint(0, 6) for _ in hists]
+    dr = NgramDrafter(1, 3, top_k=3, base=2.0, prior=1.0, window=rng.choice([None, 20]))
+    got = dr.propose(hists, depths).validate()
+    assert got.tokens.shape == (len(hists), max(depths), 3)
+    for b, (h, d) in enumerate(zip(hists, depths)):
+        one = dr.propose([h], [d])
+        assert torch.equal(got.tokens[b, :d], one.tokens[0]) and torch.equal(got.probs[b, :d], one.probs[0])
+        assert (got.tokens[b, d:] == -1).all() and (got.probs[b, d:] == 0).all()
+        ctx = h[-dr.window:] if dr.window else h
+        want = brute_proposal(ctx, d, 1, 3, 2.0, 1.0, 3) if len(ctx) >= 2 else [[] for _ in range(d)]
+        for k in range(d):
+            assert [t for t in got.tokens[b, k].tolist() if t >= 0] == [x for x, _ in want[k]]
 
 
 def test_ngram_prompt_lookup_copies_a_repeated_phrase():
     phrase = [11, 12, 13, 14, 15, 16]
     ctx = [1, 2] + phrase + [3, 4, 5] + phrase[:3]  # the root is 13: continue with 14, 15, 16, 3, 4
-    prop = NgramDrafter(1, 4, top_k=2).propose(ctx, 5)
-    assert prop.tokens[:, 0].tolist() == [14, 15, 16, 3, 4]
-    assert (prop.probs[:, 0] > 0.9).all()
-    assert prop.longest == 3 and prop.num_matches == 1
-    tok, prob = NgramDrafter(1, 4, top_k=2).propose_batch([ctx, [7]], 5)
+    prop = NgramDrafter(1, 4, top_k=2).propose([ctx], [5])
+    assert prop.tokens[0, :, 0].tolist() == [14, 15, 16, 3, 4]
+    assert (prop.probs[0, :, 0] > 0.9).all()
+    starts, lengths = NgramDrafter(1, 4, top_k=2).matches(ctx)
+    assert int(lengths.max()) == 3 and starts.numel() == 1
+    both = NgramDrafter(1, 4, top_k=2).propose([ctx, [7]], [5, 5])
+    tok, prob = both.tokens, both.probs
     assert tok.shape == (2, 5, 2) and (tok[1] == -1).all() and (prob[1] == 0).all()
 
 
@@ -256,22 +280,22 @@ def test_ngram_candidates_for_the_tree_runner():
     cut at the first depth without one."""
     dr = NgramDrafter(1, 4, top_k=3)
     ctx = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]  # root 6: "5 6" continued by 7 twice, then 8 or 9
-    c = dr.candidates(ctx, 10)
-    prop = dr.propose(ctx, 10)
-    assert c.depth == 8  # the earliest match's continuation ends with the context; depths 9, 10 are padding
-    assert (prop.tokens[8:] == -1).all()
-    assert c.tokens[0].tolist() == [7] and sorted(c.tokens[1].tolist()) == [8, 9]
-    for d in range(c.depth):
-        k = c.tokens[d].numel()
-        assert torch.equal(c.tokens[d], prop.tokens[d, :k]) and torch.equal(c.probs[d], prop.probs[d, :k])
-        assert (prop.tokens[d, k:] == -1).all()
-    assert dr.candidates([1, 2, 3], 3).depth == 0
+    c = dr.propose([ctx], [10])
+    assert int(c.depths[0]) == 8  # the earliest match's continuation ends with the context; depths 9, 10 are padding
+    assert (c.tokens[0, 8:] == -1).all()
+    real = [[t for t in row if t >= 0] for row in c.tokens[0].tolist()]
+    assert real[0] == [7] and sorted(real[1]) == [8, 9]
+    for d in range(8):
+        k = len(real[d])
+        assert (c.tokens[0, d, k:] == -1).all() and (c.probs[0, d, :k] > 0).all()
+        assert torch.equal(c.probs[0, d, :k], c.probs[0, d, :k].sort(descending=True).values)
+    assert int(dr.propose([[1, 2, 3]], [3]).depths[0]) == 0
 
 
 def test_ngram_window_and_no_match():
     dr = NgramDrafter(2, 3, top_k=4, window=4)
-    assert (dr.propose([5, 6, 7, 5, 6, 9, 9, 5, 6], 3).tokens == -1).all()  # match outside the window
-    assert NgramDrafter(2, 3).propose([5, 6, 7, 5, 6], 2).tokens[0, 0] == 7
+    assert (dr.propose([[5, 6, 7, 5, 6, 9, 9, 5, 6]], [3]).tokens == -1).all()  # match outside the window
+    assert NgramDrafter(2, 3).propose([[5, 6, 7, 5, 6]], [2]).tokens[0, 0, 0] == 7
     with pytest.raises(ValueError):
         NgramDrafter(3, 2)
 
@@ -282,7 +306,7 @@ def test_head_step_fn_matches_teacher_forced_unroll(builder):
     """The builders' level-by-level calls see, at every node, the distribution the head gives
     after that node's root-to-node path (state kept by request and node id)."""
     from draft_head import DraftHead, HeadStepFn
-    from vllm_bole.spec_decode.builders import build_best_first_autoregressive
+    from vllm_bole.spec_decode.offline import build_best_first_autoregressive
 
     torch.manual_seed(0)
     V, H, K, B = 40, 16, 24, 3
@@ -293,9 +317,9 @@ def test_head_step_fn_matches_teacher_forced_unroll(builder):
     roots = torch.tensor([1, 5, 7])
     step = HeadStepFn(head, h, roots, bf16=False)
     if builder == "chain":
-        dt = build_static(chain_tree(4), roots, step_fn=step)
+        dt = build_static(StaticTree.chain(4), roots, step_fn=step)
     elif builder == "k-ary":
-        dt = build_static(kary_template(2, 6), roots, step_fn=step)
+        dt = build_static(StaticTree.kary(2, 6), roots, step_fn=step)
     else:
         dt = build_best_first_autoregressive(roots, step, 7, max_depth=4)
     tree, dists = dt.tree, dt.child_dists()

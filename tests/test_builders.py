@@ -1,11 +1,12 @@
-"""Draft-tree builders: invariants, determinism, and optimality against brute force."""
+"""Offline draft-tree builders (vllm_bole.spec_decode.offline) and the runtime best-first builder:
+invariants, determinism, optimality against brute force, and the runtime path against the old one."""
 import itertools
 import math
 
 import pytest
 import torch
 
-from vllm_bole.spec_decode.builders import (
+from vllm_bole.spec_decode.offline import (
     CHILDREN_DETERMINISTIC,
     CHILDREN_WITH_REPLACEMENT,
     CHILDREN_WITHOUT_REPLACEMENT,
@@ -18,12 +19,13 @@ from vllm_bole.spec_decode.builders import (
     build_best_first_batch,
     build_sampled,
     build_static,
-    chain_tree,
     expected_tokens,
-    kary_tree,
     optimal_static_tree,
-    _sample_rows_without_replacement,
 )
+from vllm_bole.spec_decode.best_first import best_first_tree
+from vllm_bole.spec_decode.candidates import Candidates
+from vllm_bole.spec_decode.drafters import build_draft_trees
+from vllm_bole.spec_decode.sampling import sample_rows_without_replacement
 from vllm_bole.spec_decode.tree import TreeBatch, TreeError
 from vllm_bole.testing.stats import chi2_pvalue
 
@@ -99,12 +101,12 @@ def rho_from_marginals(m):  # m [D, V]
 
 # ------------------------------------------------------------------------------ static shapes
 def test_chain_and_kary_shapes():
-    c = chain_tree(4)
+    c = StaticTree.chain(4)
     assert c.parents == (-1, 0, 1, 2, 3) and c.ranks == (0,) * 5 and c.max_depth == 4
-    k = kary_tree([2, 3])
+    k = StaticTree.full([2, 3])
     assert k.num_nodes == 1 + 2 + 6 and k.max_depth == 2 and k.contiguous_ranks
     assert k.parents[:3] == (-1, 0, 0) and k.ranks[3:6] == (0, 1, 2)
-    assert chain_tree(0).num_nodes == 1
+    assert StaticTree.chain(0).num_nodes == 1
     with pytest.raises(TreeError):
         StaticTree((-1, 0, 0), (0, 1, 1))  # repeated sibling rank
     with pytest.raises(TreeError):
@@ -163,7 +165,7 @@ def test_optimal_static_tree_limits():
     bigger = optimal_static_tree([0.5, 0.3, 0.1], 60, max_depth=5)
     assert bigger.expected >= st.expected
     # a sanity comparison: the optimum beats chain and 2-ary of the same budget
-    assert st.expected >= expected_tokens(kary_tree([2, 2, 2, 2]), [0.5, 0.3, 0.1]) - 1e-12
+    assert st.expected >= expected_tokens(StaticTree.full([2, 2, 2, 2]), [0.5, 0.3, 0.1]) - 1e-12
     assert optimal_static_tree([0.5], 0).num_nodes == 1
 
 
@@ -180,7 +182,7 @@ def test_build_static_one_pass_topk_and_tiling():
     B, D, V = 5, 3, 9
     m = torch.rand(B, D, V, generator=g).softmax(-1)
     roots = torch.arange(B)
-    tmpl = kary_tree([3, 2, 1])
+    tmpl = StaticTree.full([3, 2, 1])
     dt = build_static(tmpl, roots, marginals=m)
     assert dt.children == CHILDREN_DETERMINISTIC
     check_invariants(dt, tmpl.budget, 3)
@@ -203,7 +205,7 @@ def test_build_static_one_pass_topk_and_tiling():
     for f in ("token_ids", "parent", "depth", "cu_nodes", "path", "anc_mask"):
         assert torch.equal(getattr(ref, f), getattr(dt.tree, f)), f
     # chain = top-1 at every depth
-    ch = build_static(chain_tree(3), roots, marginals=m)
+    ch = build_static(StaticTree.chain(3), roots, marginals=m)
     assert torch.equal(ch.tree.token_ids.view(B, -1)[:, 1:], m.argmax(-1))
 
 
@@ -236,7 +238,7 @@ def test_build_static_autoregressive():
     V = 7
     drafter = PathDrafter(V, seed=1)
     roots = torch.tensor([3, 5])
-    tmpl = kary_tree([2, 2, 1])
+    tmpl = StaticTree.full([2, 2, 1])
     dt = build_static(tmpl, roots, step_fn=drafter)
     check_invariants(dt, tmpl.budget, 3)
     assert [fr.depth for fr in drafter.calls] == [0, 1, 2]  # one call per level
@@ -369,7 +371,7 @@ def test_sampled_children_invariants_and_determinism():
     g = torch.Generator().manual_seed(0)
     B, D, V = 64, 3, 6
     m = (torch.randn(B, D, V, generator=g) * 2).softmax(-1)
-    tmpl = kary_tree([3, 2, 1])
+    tmpl = StaticTree.full([3, 2, 1])
     for repl in (True, False):
         a = build_sampled(tmpl, torch.zeros(B, dtype=torch.long), marginals=m, replacement=repl,
                           generator=torch.Generator().manual_seed(7))
@@ -385,7 +387,7 @@ def test_sampled_children_invariants_and_determinism():
     # support smaller than the number of children: without replacement drops the missing ones
     m2 = torch.zeros(4, 2, V)
     m2[..., :2] = 0.5
-    dt = build_sampled(kary_tree([3, 3]), torch.zeros(4, dtype=torch.long), marginals=m2, replacement=False,
+    dt = build_sampled(StaticTree.full([3, 3]), torch.zeros(4, dtype=torch.long), marginals=m2, replacement=False,
                        generator=torch.Generator().manual_seed(0))
     check_invariants(dt, 12, 2)
     assert dt.tree.nodes_per_request.tolist() == [7, 7, 7, 7]  # 2 + 2 * 2 draft nodes
@@ -396,7 +398,7 @@ def test_sampled_children_invariants_and_determinism():
 
 def test_sampled_autoregressive_records_distributions():
     drafter = PathDrafter(6, seed=4)
-    dt = build_sampled(kary_tree([2, 2]), torch.tensor([0, 3, 5]), step_fn=drafter, replacement=False,
+    dt = build_sampled(StaticTree.full([2, 2]), torch.tensor([0, 3, 5]), step_fn=drafter, replacement=False,
                        generator=torch.Generator().manual_seed(1))
     check_invariants(dt, 6, 2)
     dists = dt.child_dists()
@@ -414,7 +416,7 @@ def test_without_replacement_sampler_distribution():
     q = torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.07, 0.03]])
     n = 100_000
     u = torch.rand(1, n, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    tok, ok = _sample_rows_without_replacement(q, u)
+    tok, ok = sample_rows_without_replacement(q, u)
     assert ok.all()
     tok = tok[0]
     assert (tok[:, 0] != tok[:, 1]).all() and (tok[:, 1] != tok[:, 2]).all() and (tok[:, 0] != tok[:, 2]).all()
@@ -432,8 +434,109 @@ def test_without_replacement_sampler_distribution():
 
 def test_drafter_argument_errors():
     with pytest.raises(ValueError):
-        build_static(chain_tree(2), torch.tensor([0]))
+        build_static(StaticTree.chain(2), torch.tensor([0]))
     with pytest.raises(ValueError):
-        build_static(chain_tree(4), torch.tensor([0]), marginals=torch.rand(1, 2, 5))
+        build_static(StaticTree.chain(4), torch.tensor([0]), marginals=torch.rand(1, 2, 5))
     with pytest.raises(ValueError):
         build_best_first(torch.tensor([0, 1]), torch.rand(2, 2, 5), 300)
+
+
+# ------------------------------------------------------------------- runtime best-first builder
+def random_candidates(g: torch.Generator, B: int, D: int, K: int, V: int) -> Candidates:
+    """Distinct tokens per depth, distinct probabilities sorted best first, ragged padding: some
+    depths cut short, some requests without any candidate."""
+    tok = torch.stack([torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(D)]) for _ in range(B)])
+    prob = torch.rand(B, D, K, generator=g).sort(-1, descending=True).values * 0.9 + 1e-3
+    cut = torch.randint(0, K + 1, (B, D), generator=g)
+    cut[torch.rand(B, generator=g) < 0.2] = 0
+    pad = torch.arange(K)[None, None, :] >= cut[..., None]
+    return Candidates(tok.masked_fill(pad, -1), prob.masked_fill(pad, 0.0)).validate()
+
+
+def old_draft_trees(roots, cands: Candidates, budget, max_depth, top_k):
+    """The runner's previous path, kept as the reference: per-request candidate lists (cut at the
+    first depth without a candidate) -> one compact vocabulary -> dense marginals [live, D, U] ->
+    dense best-first -> per-request (parents, tokens) of the draft nodes."""
+    B = len(roots)
+    budgets = [int(budget)] * B if isinstance(budget, int) else [int(b) for b in budget]
+    lists = []
+    for b in range(B):
+        toks, probs = [], []
+        for d in range(cands.depth):
+            keep = cands.tokens[b, d] >= 0
+            if not bool(keep.any()):
+                break
+            toks.append(cands.tokens[b, d][keep])
+            probs.append(cands.probs[b, d][keep])
+        lists.append((toks, probs))
+    out = [([], []) for _ in range(B)]
+    live = [r for r in range(B) if lists[r][0] and budgets[r] > 0]
+    if not live:
+        return out
+    D = min(max_depth, max(len(lists[r][0]) for r in live))
+    vocab = torch.unique(torch.cat([t for r in live for t in lists[r][0][:D]]))
+    U = vocab.numel()
+    marg = torch.zeros(len(live), D, U)
+    for i, r in enumerate(live):
+        for d, (t, p) in enumerate(zip(lists[r][0][:D], lists[r][1][:D])):
+            marg[i, d, torch.searchsorted(vocab, t)] = p
+    dt = build_best_first(torch.zeros(len(live), dtype=torch.long), marg, torch.tensor([budgets[r] for r in live]),
+                          max_depth=D, top_k=top_k)
+    cu, par = dt.tree.cu_nodes.tolist(), dt.tree.parent.tolist()
+    tok = vocab[dt.tree.token_ids.clamp(max=U - 1)].tolist()
+    for i, r in enumerate(live):
+        out[r] = (par[cu[i] + 1: cu[i + 1]], tok[cu[i] + 1: cu[i + 1]])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_runtime_best_first_equals_the_old_dense_path(seed):
+    g = torch.Generator().manual_seed(400 + seed)
+    B, D, K, V = 7, int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)), 40
+    cands = random_candidates(g, B, D, K, V)
+    roots = torch.randint(0, V, (B,), generator=g)
+    budget = torch.randint(0, 20, (B,), generator=g).tolist() if seed % 2 else 12
+    max_depth = int(torch.randint(1, D + 2, (1,), generator=g))
+    top_k = [None, 1, 3][seed % 3]
+    tree = best_first_tree(roots, cands, budget, max_depth=max_depth, top_k=top_k)
+    want = old_draft_trees(roots.tolist(), cands, budget, max_depth, top_k)
+    assert tree.num_requests == B and tree.token_ids[tree.cu_nodes[:-1].long()].tolist() == roots.tolist()
+    for b in range(B):
+        par, tok = tree.request(b)
+        assert (par[1:], tok[1:]) == want[b], b
+    assert tree.draft_token_ids() == [w[1] for w in want]
+    # the adapter's old entry point gives the same lists
+    assert build_draft_trees(roots.tolist(), cands, budget, max_depth=max_depth, top_k=top_k) == want
+    # the tree's path and ancestor mask are the validated ones
+    again = TreeBatch.from_flat(tree.parent, tree.token_ids, tree.cu_nodes)
+    for f in ("path", "anc_mask", "depth"):
+        assert torch.equal(getattr(again, f), getattr(tree, f))
+
+
+def test_runtime_best_first_optimal_ordered_and_batch_wide():
+    g = torch.Generator().manual_seed(5)
+    B, D, K, V = 4, 3, 3, 3
+    cands = random_candidates(g, B, D, K, V)
+    dense = cands.to_dense(V)
+    tree = best_first_tree(torch.zeros(B, dtype=torch.long), cands, 5)
+    ref = build_best_first(torch.zeros(B, dtype=torch.long), dense, 5)
+    assert torch.equal(tree.parent, ref.tree.parent) and torch.equal(tree.token_ids, ref.tree.token_ids)
+    for b in range(B):  # optimal: sum rho of the tree = brute force
+        best = brute_force_best(rho_from_marginals(dense[b]), V, D, 5)
+        assert float(ref.expected_accepted()[b]) == pytest.approx(best, rel=1e-9)
+    # candidates in any order within a depth give the same tree (the builder sorts them)
+    perm = torch.argsort(torch.rand(B, D, K, generator=g), -1)
+    shuffled = Candidates(cands.tokens.gather(-1, perm), cands.probs.gather(-1, perm))
+    same = best_first_tree(torch.zeros(B, dtype=torch.long), shuffled, 5)
+    assert torch.equal(same.parent, tree.parent) and torch.equal(same.token_ids, tree.token_ids)
+    # batch-wide budget = the dense batch-wide builder
+    wide = best_first_tree(torch.zeros(B, dtype=torch.long), cands, 5, total_budget=7)
+    ref = build_best_first_batch(torch.zeros(B, dtype=torch.long), dense, 7, max_per_request=5)
+    assert torch.equal(wide.parent, ref.tree.parent) and torch.equal(wide.cu_nodes, ref.tree.cu_nodes)
+    assert int(wide.nodes_per_request.sum()) - B <= 7
+    # no candidates / no budget / no depth: root-only trees
+    for t in (best_first_tree([1, 2], Candidates.empty(2, 3, 2), 4), best_first_tree([1, 2], cands.__class__(
+            cands.tokens[:2], cands.probs[:2]), 0), best_first_tree([1, 2], Candidates.empty(2, 0, 2), 4)):
+        assert t.nodes_per_request.tolist() == [1, 1] and t.token_ids.tolist() == [1, 2]
+    with pytest.raises(ValueError):
+        best_first_tree([1], cands, 4)  # one root for four requests

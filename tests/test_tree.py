@@ -117,3 +117,70 @@ def test_token_count_mismatch_and_flat_cu_nodes():
         TreeBatch.from_flat(torch.tensor([-1, 0]), torch.tensor([1, 2]), torch.tensor([0, 3]))
     tb = TreeBatch.from_flat(torch.tensor([-1, 0, -1]), torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]))
     assert tb.depth.tolist() == [0, 1, 0]
+
+
+# ------------------------------------------------------------------ select / draft tokens
+_FIELDS = ("token_ids", "parent", "depth", "cu_nodes", "path", "anc_mask")
+
+
+def _assert_same(a: TreeBatch, b: TreeBatch):
+    for f in _FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and torch.equal(x, y), f
+    assert a.max_nodes == b.max_nodes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_equals_rebuilding_the_truncated_trees(seed):
+    """select(rows, num_nodes) gives exactly the batch from_parents builds from the kept prefixes
+    (with repeats, reordering, placeholders and replaced roots)."""
+    rng = random.Random(200 + seed)
+    sizes = [1, MAX_NODES] + [rng.randint(1, 40) for _ in range(6)]
+    parents = [_random_parents(n, rng, max_depth=rng.choice([None, 3])) for n in sizes]
+    tokens = [[rng.randrange(1000) for _ in p] for p in parents]
+    tb = TreeBatch.from_parents(parents, tokens)
+    rows = [rng.randrange(-1, len(sizes)) for _ in range(rng.randint(1, 12))]
+    n = [rng.randint(1, sizes[r]) if r >= 0 else rng.randint(1, 40) for r in rows]
+    roots = [rng.randrange(1000) for _ in rows]
+    want_p = [parents[r][:k] if r >= 0 else [-1] + [0] * (k - 1) for r, k in zip(rows, n)]
+    want_t = [tokens[r][:k] if r >= 0 else [-1] * k for r, k in zip(rows, n)]
+    _assert_same(tb.select(rows, n), TreeBatch.from_parents(want_p, want_t))
+    replaced = [[x] + t[1:] for x, t in zip(roots, want_t)]
+    _assert_same(tb.select(rows, n, root_tokens=roots), TreeBatch.from_parents(want_p, replaced))
+    real = [r for r in rows if r >= 0] or [0]
+    _assert_same(tb.select(real), TreeBatch.from_parents([parents[r] for r in real], [tokens[r] for r in real]))
+    _assert_same(tb.select(real, 1), TreeBatch.from_parents([[-1]] * len(real), [[tokens[r][0]] for r in real]))
+
+
+def test_select_errors():
+    tb = TreeBatch.from_parents([[-1, 0, 1], [-1]])
+    with pytest.raises(TreeError, match="rows"):
+        tb.select([2])
+    with pytest.raises(TreeError, match="rows"):
+        tb.select([])
+    with pytest.raises(TreeError, match="num_nodes"):
+        tb.select([0, 1], [3, 2])  # request 1 has one node
+    with pytest.raises(TreeError, match="num_nodes"):
+        tb.select([0], [0])
+    with pytest.raises(TreeError, match="num_nodes"):
+        tb.select([-1], [MAX_NODES + 1])
+
+
+def _chain_len(par, tok):
+    """The runner's first-child chain length, one node at a time (reference)."""
+    depth, node = 0, 0
+    while True:
+        kids = [j for j in range(node + 1, len(par)) if par[j] == node and tok[j] >= 0]
+        if not kids:
+            return depth
+        node, depth = kids[0], depth + 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_token_ids_and_first_child_depth(seed):
+    rng = random.Random(300 + seed)
+    parents = [_random_parents(rng.randint(1, 30), rng) for _ in range(9)]
+    tokens = [[rng.choice([-1, 1, 2, 3]) for _ in p] for p in parents]
+    tb = TreeBatch.from_parents(parents, tokens)
+    assert tb.draft_token_ids() == [t[1:] for t in tokens]
+    assert tb.first_child_depth().tolist() == [_chain_len(p, t) for p, t in zip(parents, tokens)]

@@ -6,20 +6,20 @@ import math
 import pytest
 import torch
 
+import vllm_bole.spec_decode.sampling as sampling
 import vllm_bole.spec_decode.verification as ver
-from vllm_bole.spec_decode.builders import (
+from vllm_bole.spec_decode.offline import (
     DraftTree,
+    StaticTree,
     build_best_first,
     build_best_first_autoregressive,
     build_sampled,
     build_static,
-    chain_tree,
-    kary_tree,
+    verify,
 )
+from vllm_bole.spec_decode.sampling import target_probs
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.spec_decode.verification import (
-    target_probs,
-    verify,
     verify_deterministic,
     verify_greedy,
     verify_rejection,
@@ -225,11 +225,11 @@ def test_greedy_equals_plain_greedy_random_drafters(seed):
 
     def static(target, roots, prefix, cont, g):
         m = (torch.randn(len(roots), D, V, generator=g) * 2).softmax(-1)
-        return build_static(kary_tree([3, 2, 1, 1]), roots, marginals=m)
+        return build_static(StaticTree.full([3, 2, 1, 1]), roots, marginals=m)
 
     def sampled(target, roots, prefix, cont, g):
         m = (torch.randn(len(roots), D, V, generator=g)).softmax(-1)
-        return build_sampled(kary_tree([4, 2, 1]), roots, marginals=m, replacement=True, generator=g)
+        return build_sampled(StaticTree.full([4, 2, 1]), roots, marginals=m, replacement=True, generator=g)
 
     def autoregressive(target, roots, prefix, cont, g):
         return build_best_first_autoregressive(roots, noisy_drafter(target, prefix, 2.0, seed), 10, max_depth=D)
@@ -248,7 +248,7 @@ def test_greedy_oracle_drafter_accepts_everything_and_garbage_nothing():
     assert (res.num_emitted == D + 1).all()
 
     def oracle_chain(target, roots, prefix, cont, g):
-        return build_static(chain_tree(D), roots, marginals=_oracle_marginals(cont, V, D, 0.3))
+        return build_static(StaticTree.chain(D), roots, marginals=_oracle_marginals(cont, V, D, 0.3))
 
     _, res, _ = _greedy_case(oracle_chain, 8)
     assert (res.num_emitted == D + 1).all()
@@ -287,10 +287,10 @@ def test_greedy_decoding_loop_equals_autoregressive_greedy():
             dt = build_best_first_autoregressive(roots, noisy_drafter(target, prefix, 1.0, step), 6, max_depth=D,
                                                  top_k=2, beam=2)
         elif kind == 2:
-            dt = build_sampled(kary_tree([2, 2]), roots, marginals=torch.rand(B, 2, V, generator=g).softmax(-1),
+            dt = build_sampled(StaticTree.full([2, 2]), roots, marginals=torch.rand(B, 2, V, generator=g).softmax(-1),
                                replacement=False, generator=g)
         else:
-            dt = build_static(chain_tree(D), roots, step_fn=noisy_drafter(target, prefix, 0.5, step))
+            dt = build_static(StaticTree.chain(D), roots, step_fn=noisy_drafter(target, prefix, 0.5, step))
         logits = target.tree_logits(dt.tree, prefix)
         res = verify(dt, logits)  # greedy
         for r in range(B):
@@ -310,8 +310,8 @@ def test_stochastic_modes_at_temperature_zero_equal_greedy():
     m = torch.rand(B, 3, V, generator=g).softmax(-1)
     for dt in (
         build_best_first(roots, m, 9),
-        build_sampled(kary_tree([3, 2, 1]), roots, marginals=m, replacement=True, generator=g),
-        build_sampled(kary_tree([3, 2, 1]), roots, marginals=m, replacement=False, generator=g),
+        build_sampled(StaticTree.full([3, 2, 1]), roots, marginals=m, replacement=True, generator=g),
+        build_sampled(StaticTree.full([3, 2, 1]), roots, marginals=m, replacement=False, generator=g),
     ):
         logits = target.tree_logits(dt.tree, prefix)
         ref = verify_greedy(dt.tree, logits)
@@ -403,16 +403,16 @@ def _pvalues(x1, x2, params=PARAMS):
 
 
 def _build_static_topk(roots, g):
-    return build_static(kary_tree([2, 2]), roots, marginals=_drafter_marginals(roots.numel()))
+    return build_static(StaticTree.full([2, 2]), roots, marginals=_drafter_marginals(roots.numel()))
 
 
 def _build_with(roots, g):
-    return build_sampled(kary_tree([3, 2]), roots, marginals=_drafter_marginals(roots.numel()), replacement=True,
+    return build_sampled(StaticTree.full([3, 2]), roots, marginals=_drafter_marginals(roots.numel()), replacement=True,
                          generator=g)
 
 
 def _build_without(roots, g):
-    return build_sampled(kary_tree([3, 2]), roots, marginals=_drafter_marginals(roots.numel()), replacement=False,
+    return build_sampled(StaticTree.full([3, 2]), roots, marginals=_drafter_marginals(roots.numel()), replacement=False,
                          generator=g)
 
 
@@ -456,7 +456,7 @@ def test_chi_square_catches_the_wrong_draft_distribution_without_replacement():
     q = torch.tensor([[0.5, 0.5, 0.0, 0.0, 0.0, 0.0], [0.15, 0.05, 0.35, 0.05, 0.30, 0.10]])
 
     def build(roots, g):
-        return build_sampled(kary_tree([2, 1]), roots, marginals=q[None].expand(roots.numel(), 2, V_SMALL),
+        return build_sampled(StaticTree.full([2, 1]), roots, marginals=q[None].expand(roots.numel(), 2, V_SMALL),
                              replacement=False, generator=g)
 
     x1, x2, _ = _run_two_tokens(build, "sequoia", n=N_DRAWS // 5)
@@ -477,7 +477,7 @@ def test_chi_square_catches_rejection_sampling_of_deterministic_children():
 
 
 def test_chi_square_catches_ignored_top_k_top_p(monkeypatch):
-    monkeypatch.setattr(ver, "apply_top_k_top_p", lambda logits, k, p: logits)
+    monkeypatch.setattr(sampling, "apply_top_k_top_p", lambda logits, k, p: logits)
     x1, x2, _ = _run_two_tokens(_build_static_topk, "deterministic", n=N_DRAWS // 5)
     assert min(_pvalues(x1, x2)) < 1e-6
 

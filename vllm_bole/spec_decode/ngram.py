@@ -3,8 +3,8 @@
 The n-gram drafter looks the end of the context (prompt + generated tokens, the root included)
 up in the context itself and proposes what followed earlier occurrences. Unlike vLLM's prompt
 lookup (one match, one chain) it returns, for every depth ``k = 1..D``, a *distribution* over
-candidate tokens, which is what the tree builders consume (``marginals[b, k - 1]`` of
-:func:`vllm_bole.spec_decode.builders.build_best_first` / ``build_static``).
+candidate tokens: :class:`~vllm_bole.spec_decode.candidates.Candidates` ``[B, D, K]``, what the
+best-first builder consumes.
 
 Definition (context ``c[0..T-1]``, ``c[T-1]`` = root):
 
@@ -20,19 +20,30 @@ Definition (context ``c[0..T-1]``, ``c[T-1]`` = root):
 * candidates per depth are sorted by probability (ties: the most recent occurrence first) and
   cut to ``top_k``. Depths without a candidate have none (probability 0).
 
-Everything is vectorised over the context (``O(T * max_n + M * D)`` for ``M`` matches); the batch
-helper loops over requests only.
+Everything is vectorised over the whole batch at once (the contexts concatenated, each position
+knowing its request): ``O(sum T * max_n + M * D)`` for ``M`` matches, no loop over requests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from vllm_bole.spec_decode.candidates import Candidates
 
-__all__ = ["NgramDrafter", "NgramProposal", "proposals_to_marginals", "suffix_match_lengths"]
+__all__ = ["NgramDrafter", "suffix_match_lengths"]
+
+
+def _suffix_match_flat(c: torch.Tensor, start: torch.Tensor, end: torch.Tensor, max_n: int) -> torch.Tensor:
+    """:func:`suffix_match_lengths` of many contexts concatenated in ``c`` (context of flat position
+    ``j`` = ``c[start[j]:end[j]]``): ``[N]`` int64, local entry 0 of every context is 0."""
+    N = c.numel()
+    if N == 0 or max_n <= 0:
+        return torch.zeros(N, dtype=torch.long)
+    m = torch.arange(int(max_n))[None, :]  # offset from the end
+    idx = torch.arange(N)[:, None] - 1 - m
+    eq = (idx >= start[:, None]) & (c[idx.clamp(min=0)] == c[(end[:, None] - 1 - m).clamp(min=0)])
+    return eq.long().cumprod(1).sum(1)
 
 
 def suffix_match_lengths(context: torch.Tensor, max_n: int) -> torch.Tensor:
@@ -41,33 +52,12 @@ def suffix_match_lengths(context: torch.Tensor, max_n: int) -> torch.Tensor:
     included)."""
     c = torch.as_tensor(context).long().flatten()
     T = c.numel()
-    if T == 0 or max_n <= 0:
-        return torch.zeros(T, dtype=torch.long)
-    m = torch.arange(min(int(max_n), T))[None, :]  # offset from the end
-    j = torch.arange(T)[:, None]
-    idx = j - 1 - m
-    eq = (idx >= 0) & (c[idx.clamp(min=0)] == c[T - 1 - m])
-    return eq.long().cumprod(1).sum(1)
-
-
-@dataclass(frozen=True)
-class NgramProposal:
-    """Per-depth candidates: ``tokens[k - 1, r]`` is the ``r``-th most probable token at depth
-    ``k`` (``-1`` padding), ``probs`` its probability (0 for padding); ``[D, top_k]``.
-    ``num_matches``: match positions used; ``longest``: longest match length found."""
-
-    tokens: torch.Tensor  # [D, K] int64
-    probs: torch.Tensor  # [D, K] float32
-    num_matches: int
-    longest: int
-
-    @property
-    def depth(self) -> int:
-        return self.tokens.shape[0]
+    return _suffix_match_flat(c, torch.zeros(T, dtype=torch.long), torch.full((T,), T, dtype=torch.long), max_n)
 
 
 class NgramDrafter:
-    """N-gram / prompt-lookup drafter with per-depth candidate distributions (module docstring).
+    """N-gram / prompt-lookup drafter with per-depth candidate distributions (module docstring);
+    a :class:`~vllm_bole.spec_decode.candidates.Drafter`.
 
     ``min_n``/``max_n``: shortest/longest suffix matched; ``top_k``: candidates kept per depth;
     ``base``: match weight ``base ** length``; ``prior``: mass held back for "no candidate",
@@ -83,75 +73,63 @@ class NgramDrafter:
         self.min_n, self.max_n, self.top_k = int(min_n), int(max_n), int(top_k)
         self.base, self.prior, self.window = float(base), float(prior), window
 
-    def propose(self, context: Sequence[int] | torch.Tensor, depth: int) -> NgramProposal:
-        """Candidates for depths ``1..depth`` after ``context`` (its last token is the root)."""
-        c = torch.as_tensor(context).long().flatten()
+    def _context(self, history) -> torch.Tensor:
+        c = torch.as_tensor(history, dtype=torch.long).flatten()
         if self.window is not None and c.numel() > self.window:
             c = c[-self.window:]
-        D, K = int(depth), self.top_k
-        tokens = torch.full((D, K), -1, dtype=torch.long)
-        probs = torch.zeros(D, K, dtype=torch.float32)
-        T = c.numel()
-        if D <= 0 or T < 2:
-            return NgramProposal(tokens, probs, 0, 0)
-        ell = suffix_match_lengths(c, self.max_n)
-        ell[0] = 0
+        return c
+
+    def matches(self, context: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(starts [M], lengths [M])``: the continuation starts of one context (window applied)
+        whose match length is at least ``min_n``, and those lengths."""
+        ell = suffix_match_lengths(self._context(context), self.max_n)
         js = torch.nonzero(ell >= self.min_n).flatten()
+        return js, ell[js]
+
+    def propose(self, histories: Sequence[Sequence[int] | torch.Tensor], depths: Sequence[int]) -> Candidates:
+        """Candidates ``[B, max(depths), top_k]`` for depths ``1 .. depths[b]`` after each history
+        (its last token is the root), for the whole batch in one vectorised pass."""
+        B = len(histories)
+        dep = torch.as_tensor(list(depths), dtype=torch.long).clamp(min=0).reshape(B)
+        D, K = (int(dep.max()) if B else 0), self.top_k
+        out = Candidates.empty(B, D, K)
+        if D == 0:
+            return out
+        ctx = [self._context(h) for h in histories]
+        lens = torch.tensor([x.numel() for x in ctx], dtype=torch.long)
+        c = torch.cat(ctx) if ctx else torch.zeros(0, dtype=torch.long)
+        end = lens.cumsum(0)
+        start = end - lens
+        req = torch.repeat_interleave(torch.arange(B), lens)
+        ell = _suffix_match_flat(c, start[req], end[req], self.max_n)
+        js = torch.nonzero((ell >= self.min_n) & (dep[req] > 0)).flatten()  # match starts (flat)
         if js.numel() == 0:
-            return NgramProposal(tokens, probs, 0, 0)
+            return out
+        mb = req[js]
         w = torch.pow(torch.tensor(self.base, dtype=torch.float64), ell[js].double())  # [M]
-        pos = js[:, None] + torch.arange(D)[None, :]  # [M, D]
-        inr = pos < T
-        tok = c[pos.clamp(max=T - 1)]
-        denom = (w[:, None] * inr).sum(0) + self.prior  # [D]
+        kd = torch.arange(D)[None, :]
+        pos = js[:, None] + kd  # [M, D]
+        inr = (pos < end[mb][:, None]) & (kd < dep[mb][:, None])
+        tok = c[pos.clamp(max=c.numel() - 1)]
+        denom = torch.zeros(B, D, dtype=torch.float64).index_add_(0, mb, w[:, None] * inr) + self.prior
         mm, kk = torch.nonzero(inr, as_tuple=True)  # match index, depth index
-        tt = tok[mm, kk]
-        # group (depth, token): summed weight and most recent start
-        key = kk * (int(c.max()) + 1) + tt
+        # group (request, depth, token): summed weight and most recent start
+        V1 = int(c.max()) + 1
+        key = (mb[mm] * D + kk) * V1 + tok[mm, kk]
         uniq, inv = torch.unique(key, return_inverse=True)
         gw = torch.zeros(uniq.numel(), dtype=torch.float64).index_add_(0, inv, w[mm])
         grec = torch.full((uniq.numel(),), -1, dtype=torch.long).scatter_reduce_(0, inv, js[mm], "amax")
-        gdep = uniq // (int(c.max()) + 1)
-        gtok = uniq % (int(c.max()) + 1)
-        # order: depth asc, weight desc, recency desc (stable sorts, last key first)
+        grp, gtok = uniq // V1, uniq % V1  # grp = request * D + depth
+        # order: (request, depth) asc, weight desc, recency desc (stable sorts, last key first)
         o = torch.sort(-grec, stable=True).indices
         o = o[torch.sort(-gw[o], stable=True).indices]
-        o = o[torch.sort(gdep[o], stable=True).indices]
-        gdep, gtok, gp = gdep[o], gtok[o], (gw[o] / denom[gdep[o]])
-        first = torch.searchsorted(gdep, gdep, right=False)
-        rank = torch.arange(gdep.numel()) - first
+        o = o[torch.sort(grp[o], stable=True).indices]
+        grp, gtok, gp = grp[o], gtok[o], gw[o] / denom.view(-1)[grp[o]]
+        rank = torch.arange(grp.numel()) - torch.searchsorted(grp, grp, right=False)
         keep = rank < K
-        tokens[gdep[keep], rank[keep]] = gtok[keep]
-        probs[gdep[keep], rank[keep]] = gp[keep].float()
-        return NgramProposal(tokens, probs, int(js.numel()), int(ell.max()))
+        out.tokens.view(B * D, K)[grp[keep], rank[keep]] = gtok[keep]
+        out.probs.view(B * D, K)[grp[keep], rank[keep]] = gp[keep].float()
+        return out
 
-    def candidates(self, history: Sequence[int] | torch.Tensor, depth: int) -> Candidates:
-        """:meth:`propose` as the tree runner's per-depth :class:`Candidates` (padding dropped; stops at
-        the first depth without a candidate)."""
-        p = self.propose(history, depth)
-        toks, probs = [], []
-        for d in range(p.depth):
-            keep = p.tokens[d] >= 0
-            if not bool(keep.any()):
-                break
-            toks.append(p.tokens[d][keep])
-            probs.append(p.probs[d][keep])
-        return Candidates(toks, probs)
-
-    def candidates_batch(self, histories: Sequence[Sequence[int]], depths: Sequence[int]) -> list[Candidates]:
-        """:meth:`candidates` per request (the drafters' common batch interface)."""
-        return [self.candidates(h, d) for h, d in zip(histories, depths)]
-
-    def propose_batch(self, contexts: Sequence[Sequence[int] | torch.Tensor], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(tokens [B, D, K], probs [B, D, K])`` for a batch of contexts."""
-        props = [self.propose(c, depth) for c in contexts]
-        return torch.stack([p.tokens for p in props]), torch.stack([p.probs for p in props])
-
-
-def proposals_to_marginals(tokens: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Dense one-pass marginals ``[..., D, vocab_size]`` from sparse candidates ``[..., D, K]``
-    (``-1`` padding dropped), for :func:`~vllm_bole.spec_decode.builders.build_best_first` and
-    ``build_static``."""
-    ok = tokens >= 0
-    out = torch.zeros(*tokens.shape[:-1], int(vocab_size), dtype=torch.float32)
-    return out.scatter_add_(-1, tokens.clamp(min=0), torch.where(ok, probs.float(), torch.zeros_like(probs.float())))
+    # The adapter's name until it calls propose (delete then).
+    candidates_batch = propose

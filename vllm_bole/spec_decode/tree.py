@@ -19,7 +19,10 @@ Conventions (used by every kernel, oracle and builder of the project):
       ``j // 32`` is set iff local node ``j`` is an ancestor-or-self of ``i``.
 
 Limits: depth <= ``MAX_DEPTH`` (64), nodes per request <= ``MAX_NODES`` (256).
-Construction is vectorised (a loop over depth levels, never over nodes).
+Construction is vectorised (a loop over depth levels, never over nodes). From drafting to
+verification one object: the best-first builder returns a ``TreeBatch``; :meth:`TreeBatch.select`
+keeps the requests the scheduler sends back, truncated to the drafts it kept, without a rebuild;
+:meth:`TreeBatch.draft_token_ids` gives the scheduler's per-request draft tokens.
 """
 from __future__ import annotations
 
@@ -103,6 +106,84 @@ class TreeBatch:
         """(parents, token_ids) of request ``r`` as Python lists (tests, debugging)."""
         s, e = int(self.cu_nodes[r]), int(self.cu_nodes[r + 1])
         return self.parent[s:e].tolist(), self.token_ids[s:e].tolist()
+
+    def draft_token_ids(self) -> list[list[int]]:
+        """Per request its draft tokens (local nodes ``1 ..``, topological order, the root excluded):
+        what vLLM's scheduler takes as the request's speculative tokens."""
+        tok, cu = self.token_ids.tolist(), self.cu_nodes.tolist()
+        return [tok[cu[r] + 1 : cu[r + 1]] for r in range(self.num_requests)]
+
+    def first_child_depth(self) -> torch.Tensor:
+        """[B] int64: length of the first-child chain from each root (the drafter's greedy chain in
+        a best-first tree), skipping placeholder children (token ``-1``)."""
+        T = self.num_nodes
+        idx = torch.arange(T, device=self.token_ids.device)
+        pf = self.parent_flat
+        ok = (pf >= 0) & (self.token_ids >= 0)
+        first = torch.full((T,), T, dtype=torch.long, device=idx.device)
+        first.scatter_reduce_(0, pf[ok], idx[ok], reduce="amin")
+        good = (pf < 0) | (ok & (first[pf.clamp(min=0)] == idx))
+        path = self.path_flat
+        chain = torch.where(path >= 0, good[path.clamp(min=0)], torch.ones_like(path, dtype=torch.bool)).all(1)
+        key = torch.where(chain, self.depth.long(), torch.zeros_like(idx))
+        return torch.zeros(self.num_requests, dtype=torch.long, device=idx.device).scatter_reduce_(
+            0, self.request_index, key, reduce="amax")
+
+    def select(self, rows, num_nodes=None, *, root_tokens=None) -> "TreeBatch":
+        """A new batch of the requests ``rows`` (indices into this batch, in the new order; repeats
+        allowed), each truncated to its first ``num_nodes`` nodes (int or per row; default: all).
+        A prefix in topological order is still a tree, so nothing is rebuilt: every field is
+        gathered (``path`` trimmed to the new deepest node, as :meth:`from_parents` would).
+        A row of ``-1`` is a *placeholder*: a root and ``num_nodes - 1`` children of it with token
+        ``-1`` (never accepted; default 1 node), for scheduled drafts no tree stands for.
+        ``root_tokens`` (``[len(rows)]``) replaces the roots' tokens."""
+        dev = self.cu_nodes.device
+        rows = torch.as_tensor(rows, dtype=torch.long).flatten().to(dev)
+        Bn = rows.numel()
+        if Bn == 0:
+            raise TreeError("rows: empty selection (need at least one request)")
+        if bool(((rows < -1) | (rows >= self.num_requests)).any()):
+            raise TreeError(f"rows: indices must lie in [-1, {self.num_requests}), got {rows.tolist()}")
+        real = rows >= 0
+        r0 = rows.clamp(min=0)
+        size = torch.where(real, self.nodes_per_request.long()[r0], torch.ones_like(rows))
+        if num_nodes is None:
+            n = size
+        else:
+            n = torch.as_tensor(num_nodes, dtype=torch.long).to(dev)
+            n = n.expand(Bn).clone() if n.dim() == 0 else n.flatten()
+            limit = torch.where(real, size, torch.full_like(size, MAX_NODES))
+            if n.shape != (Bn,) or bool(((n < 1) | (n > limit)).any()):
+                raise TreeError(f"num_nodes: need 1 <= n <= the request's nodes per row, got {n.tolist()} "
+                                f"for sizes {limit.tolist()}")
+        cu = torch.zeros(Bn + 1, dtype=torch.long, device=dev)
+        cu[1:] = n.cumsum(0)
+        T = int(cu[-1])
+        req = torch.repeat_interleave(torch.arange(Bn, device=dev), n, output_size=T)
+        local = torch.arange(T, device=dev) - cu[:-1][req]
+        isreal = real[req]
+        src = torch.where(isreal, self.cu_nodes.long()[r0][req] + local, torch.zeros_like(local))
+        kid = (local > 0).long()
+        token = torch.where(isreal, self.token_ids[src], torch.full_like(local, -1))
+        if root_tokens is not None:
+            token[cu[:-1]] = torch.as_tensor(root_tokens, dtype=torch.long).flatten().to(dev)
+        parent = torch.where(isreal, self.parent[src].long(), kid - 1)
+        depth = torch.where(isreal, self.depth[src].long(), kid)
+        width = int(depth.max()) + 1
+        path = torch.full((T, width), -1, dtype=torch.long, device=dev)
+        w = min(width, self.path.shape[1])
+        path[:, :w] = self.path[src, :w].long()
+        fake = torch.stack([torch.zeros_like(local), torch.where(local > 0, local, -1)], 1)[:, :width]
+        path[:, : fake.shape[1]] = torch.where(isreal[:, None], path[:, : fake.shape[1]], fake)
+        words = self.anc_mask.shape[1]
+        bits = torch.zeros(T, words, dtype=torch.int64, device=dev)
+        bits[:, 0] = 1
+        bits[torch.arange(T, device=dev), local // 32] |= torch.where(local > 0, 1 << (local % 32), 0)
+        bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+        anc = torch.where(isreal[:, None], self.anc_mask[src], bits)
+        return TreeBatch(token_ids=token, parent=parent.to(torch.int32), depth=depth.to(torch.int32),
+                         cu_nodes=cu.to(torch.int32), path=path.to(torch.int32), anc_mask=anc,
+                         max_nodes=int(n.max()))
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -1,6 +1,6 @@
 """Lossless verification of draft trees from the target's logits at every node.
 
-Input: a :class:`TreeBatch` (or a :class:`DraftTree`) and ``target_logits`` ``[T, V]``, one row
+Input: a :class:`TreeBatch` and ``target_logits`` ``[T, V]``, one row
 per flat node, root included: row ``i`` is the target's next-token distribution after the path
 root..i. Output (:class:`VerificationResult`, vLLM style, padded with -1):
 
@@ -10,7 +10,9 @@ root..i. Output (:class:`VerificationResult`, vLLM style, padded with -1):
   (``num_emitted`` entries valid; the last one is where the recurrent state is committed);
 * ``last_node [B]``: flat index of the deepest accepted node.
 
-``L = tree.max_depth``.
+``L = tree.max_depth``. The runtime (vLLM adapter) uses :func:`verify_greedy` and
+:func:`verify_deterministic` on best-first trees; ``vllm_bole.spec_decode.offline.verify``
+dispatches an offline ``DraftTree`` to the scheme its children need.
 
 Modes
 -----
@@ -23,24 +25,19 @@ Modes
   trees): sample ``x ~ p`` at the current node; descend if ``x`` is a child's token, otherwise emit
   ``x`` and stop. The emitted token at every level is exactly a target sample given the path so
   far, so the output is target-distributed whatever the tree.
-* ``specinfer`` (children drawn i.i.d. from the draft ``q``, ``DraftTree.children ==
-  "with_replacement"``): multi-draft recursive rejection sampling. Children are tried in
-  local-index (= draw) order; child ``x`` is accepted with probability ``min(1, p(x) / q(x))``;
+* ``specinfer`` (:func:`verify_rejection` with ``replacement=True``: children drawn i.i.d. from
+  the draft ``q``, e.g. by the offline ``build_sampled``): multi-draft recursive rejection
+  sampling. Children are tried in local-index (= draw) order; child ``x`` is accepted with probability ``min(1, p(x) / q(x))``;
   on rejection ``p <- normalise(max(p - q, 0))`` (the residual); if every child is rejected the
   bonus token is drawn from the final residual.
-* ``sequoia`` (children drawn *without replacement* from ``q``): as above, but the draft
+* ``sequoia`` (``replacement=False``: children drawn *without replacement* from ``q``): as above, but the draft
   distribution of draw ``j`` is ``q_j`` = ``q`` with the earlier draws removed and renormalised, so
   after rejecting ``x_j``: ``p <- normalise(max(p - q_j, 0))`` then ``q_{j+1} <- normalise(q_j with
   x_j removed)``. Each step is a valid rejection step for the current target (``x_j ~ q_j``
   given the history), hence lossless by induction.
 
-Target distribution ``p``: vLLM ``SamplingParams`` semantics, per request: ``temperature``
-(``< 1e-5`` means greedy: ``p`` one-hot on the argmax, so greedy requests can share a stochastic
-batch), then min-p (drop tokens whose probability is below ``min_p`` times the largest, as vLLM's
-``MinPLogitsProcessor``), then top-k (keep logits ``>=`` the k-th largest; ``k <= 0`` or ``>= V`` disables), then
-top-p over the ascending-sorted probabilities of what top-k kept (drop the prefix whose
-cumulative mass is ``<= 1 - top_p``, always keeping the largest), as vLLM's
-``apply_top_k_top_p``.
+Target distribution ``p``: vLLM ``SamplingParams`` semantics per request (temperature, min-p,
+top-k, top-p; :func:`vllm_bole.spec_decode.sampling.target_probs`).
 
 Randomness: every node owns two uniforms, ``u_accept`` (used when the node is tested as a child)
 and ``u_sample`` (used when a token is sampled at the node), drawn from ``generator``: ``None``
@@ -64,28 +61,17 @@ from typing import Sequence, Union
 
 import torch
 
-from vllm_bole.spec_decode.builders import (
-    CHILDREN_DETERMINISTIC,
-    CHILDREN_WITH_REPLACEMENT,
-    CHILDREN_WITHOUT_REPLACEMENT,
-    DraftTree,
-    _sample_rows,
-)
+from vllm_bole.spec_decode.sampling import SAMPLING_EPS, per_row, sample_rows, target_probs
 from vllm_bole.spec_decode.tree import TreeBatch
 
 __all__ = [
     "SAMPLING_EPS",
+    "Generators",
     "VerificationResult",
-    "apply_min_p",
-    "apply_top_k_top_p",
-    "target_probs",
-    "verify",
     "verify_deterministic",
     "verify_greedy",
     "verify_rejection",
 ]
-
-SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it mean greedy
 
 GeneratorLike = Union[None, int, torch.Generator]
 Generators = Union[GeneratorLike, Sequence[GeneratorLike]]
@@ -105,65 +91,6 @@ class VerificationResult:
 
     def tokens(self, r: int) -> list[int]:
         return self.output_token_ids[r, : int(self.num_emitted[r])].tolist()
-
-
-# ------------------------------------------------------------------------- target distribution
-def _per_row(x, n: int, dtype, device) -> torch.Tensor | None:
-    if x is None:
-        return None
-    t = torch.as_tensor(x, dtype=dtype, device=device)
-    if t.dim() == 0:
-        return t.expand(n)
-    if t.shape != (n,):
-        raise ValueError(f"sampling parameter: expected a scalar or [{n}] tensor, got {tuple(t.shape)}")
-    return t
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """vLLM's top-k then top-p masking (``-inf``) of ``[N, V]`` logits (already temperature
-    scaled). ``top_k`` ``[N]`` int (``<= 0`` or ``>= V``: disabled), ``top_p`` ``[N]`` float."""
-    if top_k is None and top_p is None:
-        return logits
-    N, V = logits.shape
-    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
-    if top_k is not None:
-        k = top_k.long()
-        k = torch.where((k <= 0) | (k > V), torch.full_like(k, V), k)
-        thresh = logits_sort.gather(1, (V - k).clamp(min=0)[:, None])
-        logits_sort = logits_sort.masked_fill(logits_sort < thresh, -float("inf"))
-    if top_p is not None:
-        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
-        mask = probs_sum <= 1 - top_p.to(probs_sum.dtype)[:, None]
-        mask[:, -1] = False
-        logits_sort = logits_sort.masked_fill(mask, -float("inf"))
-    return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
-    """vLLM's min-p masking (``-inf``) of ``[N, V]`` temperature-scaled logits: tokens whose
-    probability is below ``min_p [N]`` times the row's largest (``0``: disabled)."""
-    if min_p is None:
-        return logits
-    probs = logits.softmax(dim=-1)
-    thresh = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype)[:, None]
-    return logits.masked_fill(probs < thresh, -float("inf"))
-
-
-def target_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
-    """``[N, V]`` float32 target distribution per row (temperature, min-p, top-k, top-p).
-    Rows with ``temperature < SAMPLING_EPS`` are one-hot on the argmax of the raw logits;
-    ``temperature=None`` means 1."""
-    N, V = logits.shape
-    dev = logits.device
-    x = logits.float()
-    temp = _per_row(1.0 if temperature is None else temperature, N, torch.float32, dev)
-    greedy = temp < SAMPLING_EPS
-    x = x / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
-    x = apply_min_p(x, _per_row(min_p, N, torch.float32, dev))
-    x = apply_top_k_top_p(x, _per_row(top_k, N, torch.long, dev), _per_row(top_p, N, torch.float32, dev))
-    probs = x.softmax(-1)
-    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], onehot, probs)
 
 
 # --------------------------------------------------------------------------------- utilities
@@ -290,10 +217,10 @@ def _walk(tree: TreeBatch, logits: torch.Tensor, temperature, top_k, top_p, min_
     _check_logits(tree, logits)
     dev = logits.device
     B, L = tree.num_requests, tree.max_depth
-    temp = _per_row(temperature, B, torch.float32, dev)
-    tk = _per_row(top_k, B, torch.long, dev)
-    tp = _per_row(top_p, B, torch.float32, dev)
-    mp = _per_row(min_p, B, torch.float32, dev)
+    temp = per_row(temperature, B, torch.float32, dev)
+    tk = per_row(top_k, B, torch.long, dev)
+    tp = per_row(top_p, B, torch.float32, dev)
+    mp = per_row(min_p, B, torch.float32, dev)
     cu = tree.cu_nodes.long().to(dev)
     children = _children_table(tree, dev)
     cur = cu[:-1].clone()
@@ -322,16 +249,8 @@ def _walk(tree: TreeBatch, logits: torch.Tensor, temperature, top_k, top_p, min_
     return VerificationResult(output_token_ids=out, num_emitted=nemit, accepted_nodes=acc, last_node=cur)
 
 
-def verify_deterministic(
-    tree: TreeBatch,
-    target_logits: torch.Tensor,
-    *,
-    temperature,
-    top_k=None,
-    top_p=None,
-    min_p=None,
-    generator: Generators = None,
-) -> VerificationResult:
+def verify_deterministic(tree: TreeBatch, target_logits: torch.Tensor, *, temperature, top_k=None, top_p=None,
+                         min_p=None, generator: Generators = None) -> VerificationResult:
     """Stochastic verification of a tree whose children were chosen deterministically: sample
     ``x ~ p`` at the current node, descend if a child carries ``x``, else emit ``x`` and stop."""
     dev = target_logits.device
@@ -339,7 +258,7 @@ def verify_deterministic(
     tokens = tree.token_ids.to(dev)
 
     def decide(A, nodes, kids, p):
-        x = _sample_rows(p, u[nodes])
+        x = sample_rows(p, u[nodes])
         match = (kids >= 0) & (tokens[kids.clamp(min=0)] == x[:, None])
         has = match.any(1)
         first = match.int().argmax(1)
@@ -357,10 +276,7 @@ def verify_rejection(
     *,
     replacement: bool,
     temperature,
-    top_k=None,
-    top_p=None,
-    min_p=None,
-    generator: Generators = None,
+    top_k=None, top_p=None, min_p=None, generator: Generators = None,
 ) -> VerificationResult:
     """Recursive rejection sampling over sampled children: SpecInfer (``replacement=True``,
     children i.i.d. from ``q``) or Sequoia (``replacement=False``, children drawn without
@@ -402,48 +318,8 @@ def verify_rejection(
         tok = tokens[child.clamp(min=0)]
         none = (child < 0).nonzero().flatten()
         if none.numel():
-            tok[none] = _sample_rows(p[none], u_smp[nodes[none]])
+            tok[none] = sample_rows(p[none], u_smp[nodes[none]])
         return child, tok
 
     return _walk(tree, target_logits, temperature, top_k, top_p, min_p, decide)
 
-
-def verify(
-    draft: DraftTree | TreeBatch,
-    target_logits: torch.Tensor,
-    *,
-    method: str = "auto",
-    temperature=None,
-    top_k=None,
-    top_p=None,
-    min_p=None,
-    generator: Generators = None,
-) -> VerificationResult:
-    """Dispatch. ``method``: ``"greedy"``, ``"deterministic"``, ``"specinfer"``, ``"sequoia"`` or
-    ``"auto"``: greedy when ``temperature`` is None, otherwise the lossless scheme for the way the
-    draft's children were chosen (rejection sampling only for sampled children)."""
-    tree = draft.tree if isinstance(draft, DraftTree) else draft
-    if method == "auto":
-        if temperature is None:
-            method = "greedy"
-        elif not isinstance(draft, DraftTree) or draft.children == CHILDREN_DETERMINISTIC:
-            method = "deterministic"
-        elif draft.children == CHILDREN_WITH_REPLACEMENT:
-            method = "specinfer"
-        elif draft.children == CHILDREN_WITHOUT_REPLACEMENT:
-            method = "sequoia"
-    if method == "greedy":
-        return verify_greedy(tree, target_logits)
-    if temperature is None:
-        raise ValueError(f"method {method!r} needs a temperature (0 means greedy)")
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
-    if method == "deterministic":
-        return verify_deterministic(tree, target_logits, **kw)
-    if method in ("specinfer", "sequoia"):
-        if not isinstance(draft, DraftTree) or draft.child_dist_table is None or draft.child_dist_index is None:
-            raise ValueError(f"method {method!r} needs a DraftTree with child distributions")
-        return verify_rejection(
-            tree, target_logits, draft.child_dist_table, draft.child_dist_index,
-            replacement=(method == "specinfer"), **kw,
-        )
-    raise ValueError(f"method: unknown {method!r}")

@@ -1,0 +1,161 @@
+"""A small causal LM (transformers) as the tree runner's drafter.
+
+Greedy chain of ``D`` tokens per request: one forward over the history, then cached single-token
+steps; the top-``k`` of the draft distribution at every depth are that depth's candidates
+(:class:`~vllm_bole.spec_decode.candidates.Candidates`). In a best-first tree the first child of
+every node is its most probable one, so the first-child chain from the root is the draft's greedy
+chain; when the draft model is the target itself, greedy verification accepts all of it. The
+cache is dropped after each draft, so nothing needs rolling back.
+
+How the draft steps depend on the model's cache, found once at construction from a one-token
+forward (:attr:`HFDraftModel.cache_kind`, an explicit check, no fallback on errors):
+
+* ``"attention"``: transformers' ``DynamicCache`` whose layers are all plain ``DynamicLayer``
+  (attention only): all requests run as ONE left-padded batch (padding masked, positions counted
+  from each history's start), equal to one request at a time (tested);
+* ``"past_key_values"``: any other cache returned as ``past_key_values`` (hybrid models' caches
+  hold recurrent layers, which padding would enter): request by request;
+* ``"cache_params"``: Mamba-style ``cache_params`` (stepped with ``cache_position``): request by
+  request;
+* ``"none"``: no cache: one full forward per depth.
+
+On CPU, transformers would pick flash-linear-attention's Triton kernels whenever it can import
+them (Qwen3-Next, ...), which on CPU need Triton's interpreter. FLA is hidden only while
+transformers loads the model (transformers binds those kernels when it imports the model's module)
+and restored afterwards, so the rest of the process keeps FLA. A model whose module was already
+imported in the process with FLA importable keeps FLA's kernels (then run under
+``TRITON_INTERPRET=1`` on CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Sequence
+
+import torch
+
+from vllm_bole.spec_decode.candidates import Candidates
+
+__all__ = ["HFDraftModel"]
+
+CACHE_KINDS = ("attention", "past_key_values", "cache_params", "none")
+
+
+@contextlib.contextmanager
+def hidden_fla(enabled: bool = True):
+    """Make ``import fla`` (and its submodules) fail inside the block; restore ``sys.modules`` after."""
+    if not enabled:
+        yield
+        return
+    saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["fla"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for k in [k for k in sys.modules if k == "fla" or k.startswith("fla.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def cache_kind(out) -> str:
+    """Which of :data:`CACHE_KINDS` a transformers model output's cache is (module docstring)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    pkv = getattr(out, "past_key_values", None)
+    if pkv is not None:
+        layers = getattr(pkv, "layers", None)
+        plain = type(pkv) is DynamicCache and layers and all(type(layer) is DynamicLayer for layer in layers)
+        return "attention" if plain else "past_key_values"
+    return "cache_params" if getattr(out, "cache_params", None) is not None else "none"
+
+
+class HFDraftModel:
+    """A transformers causal LM used as the drafter (a :class:`~vllm_bole.spec_decode.candidates.Drafter`)."""
+
+    def __init__(self, path: str, dtype: str = "auto", top_k: int = 8, device="cpu"):
+        with hidden_fla(str(device) == "cpu"):
+            import transformers
+
+            torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+        self.device = device
+        with torch.inference_mode():
+            probe = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True)
+        self.cache_kind = cache_kind(probe)
+        self.top_k = min(int(top_k), probe.logits.shape[-1])
+
+    @torch.inference_mode()
+    def propose(self, histories: Sequence[Sequence[int]], depths: Sequence[int]) -> Candidates:
+        """Candidates ``[B, max(depths), top_k]`` (CPU): the draft's greedy chain after each
+        history and its top-``k`` at every depth; empty histories and depth 0 get no draft."""
+        dep = [max(int(d), 0) for d in depths]
+        out = Candidates.empty(len(histories), max(dep, default=0), self.top_k)
+        live = [i for i, d in enumerate(dep) if d > 0 and len(histories[i]) > 0]
+        if not live:
+            return out
+        if self.cache_kind == "attention":
+            tok, prob = self._propose_padded([histories[i] for i in live], max(dep[i] for i in live))
+            rows = torch.tensor(live)
+            cut = torch.arange(tok.shape[1])[None, :] >= torch.tensor([dep[i] for i in live])[:, None]
+            out.tokens[rows, : tok.shape[1]] = tok.masked_fill(cut[..., None], -1)
+            out.probs[rows, : tok.shape[1]] = prob.masked_fill(cut[..., None], 0.0)
+            return out
+        for i in live:
+            out.tokens[i, : dep[i]], out.probs[i, : dep[i]] = self._propose_one(histories[i], dep[i])
+        return out
+
+    # The adapter's name until it calls propose (delete then).
+    candidates_batch = propose
+
+    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v, t = logits.float().softmax(-1).topk(self.top_k, dim=-1)
+        return t, v
+
+    def _propose_padded(self, histories, depth) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cache_kind == "attention"``: every request in one left-padded batch; ``[n, depth, K]``."""
+        B, L = len(histories), max(len(h) for h in histories)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for j, h in enumerate(histories):
+            ids[j, L - len(h):] = torch.as_tensor(list(h), dtype=torch.long)
+            mask[j, L - len(h):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        toks, probs = [], []
+        for d in range(depth):
+            t, v = self._topk(out.logits[:, -1])
+            toks.append(t)
+            probs.append(v)
+            if d + 1 == depth:
+                break
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            pos = pos[:, -1:] + 1
+            out = self.model(input_ids=t[:, :1], attention_mask=mask, position_ids=pos,
+                             past_key_values=out.past_key_values, use_cache=True)
+        return torch.stack(toks, 1).cpu(), torch.stack(probs, 1).cpu()
+
+    def _propose_one(self, history, depth) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request, stepped as its cache kind allows; ``[depth, K]``."""
+        seq = list(history)
+        kind = self.cache_kind
+        out = self.model(input_ids=torch.tensor([seq], dtype=torch.long, device=self.device), use_cache=kind != "none")
+        toks, probs = [], []
+        for d in range(depth):
+            t, v = self._topk(out.logits[0, -1])
+            toks.append(t)
+            probs.append(v)
+            if d + 1 == depth:
+                break
+            nxt = t[:1].view(1, 1)
+            if kind in ("attention", "past_key_values"):
+                out = self.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+            elif kind == "cache_params":
+                pos = torch.tensor([len(history) + d], device=self.device)
+                out = self.model(input_ids=nxt, cache_params=out.cache_params, cache_position=pos, use_cache=True)
+            else:  # no cache: recompute the whole sequence
+                seq.append(int(t[0]))
+                out = self.model(input_ids=torch.tensor([seq], dtype=torch.long, device=self.device))
+        return torch.stack(toks).cpu(), torch.stack(probs).cpu()
