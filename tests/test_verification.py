@@ -535,3 +535,46 @@ def test_argument_errors():
                          replacement=True, temperature=1.0)
     with pytest.raises(ValueError):
         verify(dt, logits, temperature=torch.ones(5))
+
+
+# ------------------------------------------------------------------------- the runtime tree path
+def test_runtime_path_draft_select_verify_equals_the_list_path():
+    """The runner's step with one tree object: propose -> best_first_tree -> draft_token_ids (to the
+    scheduler, which may cut drafts) -> select (reordered rows, truncation, a placeholder) ->
+    verify_greedy; the same as rebuilding the trees from Python lists, and plain greedy decoding."""
+    from vllm_bole.spec_decode import best_first_tree
+    from vllm_bole.spec_decode.ngram import NgramDrafter
+
+    V, B, D = 5, 6, 4
+    target = HashTarget(V, seed=11)
+    g = torch.Generator().manual_seed(2)
+    hists = [torch.randint(0, V, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(B)]
+    drafter = NgramDrafter(1, 3, top_k=3)
+    roots = [h[-1] for h in hists]
+    tree = best_first_tree(roots, drafter.propose(hists, [D] * B), 9, max_depth=D)
+    drafts = tree.draft_token_ids()
+    assert any(drafts)
+    rows = [3, 1, 0, -1, 5, 2, 4]  # the scheduler's order; -1: drafts no tree stands for
+    keep = [min(len(drafts[r]), 1 + i % 4) if r >= 0 else 2 for i, r in enumerate(rows)]
+    sel = tree.select(rows, [k + 1 for k in keep], root_tokens=[roots[r] if r >= 0 else 0 for r in rows])
+    par, tok = [], []
+    for r, k in zip(rows, keep):
+        if r >= 0:
+            p, t = tree.request(r)
+            par.append(p[: k + 1])
+            tok.append(t[: k + 1])
+        else:
+            par.append([-1] + [0] * k)
+            tok.append([0] + [-1] * k)
+    ref = TreeBatch.from_parents(par, tok)
+    for f in ("token_ids", "parent", "depth", "cu_nodes", "path", "anc_mask"):
+        assert torch.equal(getattr(sel, f), getattr(ref, f)), f
+    prefix = torch.tensor([HashTarget.seq_hash(hists[r][:-1]) if r >= 0 else 0 for r in rows])
+    logits = target.tree_logits(sel, prefix)
+    res, want = verify_greedy(sel, logits), verify_greedy(ref, logits)
+    assert torch.equal(res.output_token_ids, want.output_token_ids) and torch.equal(res.last_node, want.last_node)
+    for i, r in enumerate(rows):
+        if r >= 0:
+            assert res.tokens(i) == target.greedy(hists[r], int(res.num_emitted[i]))
+    assert int(res.num_accepted[3]) == 0  # a placeholder is never accepted
