@@ -33,7 +33,7 @@ from benchmarks.harness import bench_ms, device_ceilings, write_results  # noqa:
 from benchmarks.tree_cases import (  # noqa: E402
     accepted_flat, finish_case, print_summary, random_trees, root_to_leaf_paths, to_device,
 )
-from vllm_bole.mamba.gdn_tree import PendingPath, gdn_tree_step, stash_accepted_path  # noqa: E402
+from vllm_bole.gdn import PendingPath, gdn_tree_step, stash_accepted_path  # noqa: E402
 from vllm_bole.testing.oracles import gdn_tree_reference  # noqa: E402
 
 CONFIGS = {"qwen3next-80b": (16, 32, 128, 128), "qwen3next-80b-tp2": (8, 16, 128, 128)}

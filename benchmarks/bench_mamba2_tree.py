@@ -143,8 +143,8 @@ def make_case(B, N, cfg, seed, dtype=torch.bfloat16, dev="cuda"):
 
 
 def layer_kw(c):
-    """The layer's constants, and impl="triton" (the default on CUDA; the kernels under --smoke)."""
-    return dict(D=c["D"], dt_bias=c["dt_bias"], dt_softplus=True, dt_limit=(0.0, float("inf")), impl="triton")
+    """The layer's constants, and kernels="triton" (the default on CUDA; the kernels under --smoke)."""
+    return dict(D=c["D"], dt_bias=c["dt_bias"], dt_softplus=True, dt_limit=(0.0, float("inf")), kernels="triton")
 
 
 def run_ours(c, state, pending, verify_only=False, two_pass=False):
@@ -154,7 +154,7 @@ def run_ours(c, state, pending, verify_only=False, two_pass=False):
         return lambda: ssd_tree_step(*args, None, **kw)
 
     def step():
-        stash_accepted_path(pending, slots, tree, c["acc_dev"], c["x"], c["dt"], c["Bm"], impl="triton")
+        stash_accepted_path(pending, slots, tree, c["acc_dev"], c["x"], c["dt"], c["Bm"], kernels="triton")
         if two_pass:
             ssd_tree_step(None, None, c["A"], None, None, None, state, slots, pending, **kw)
             return ssd_tree_step(*args, None, **kw)
@@ -236,11 +236,11 @@ def check_accuracy(cfg, dtype, dev, Ns=(8, 16, 32, 64, 128), B=4, seed=0):
         slots, kw = c["slots_dev"], layer_kw(c)
         state = torch.randn(B, H, P, Nst, device=dev)
         y = ssd_tree_step(c["x"], c["dt"], c["A"], c["Bm"], c["Cm"], c["tree_dev"], state, slots, None, **kw)
-        kw.pop("impl")
+        kw.pop("kernels")
         y_ref, st_ref = ssd_tree_reference(c["tree_dev"], c["x"], c["dt"], c["A"], c["Bm"], c["Cm"], state[slots.long()], **kw)
         pending = PendingPath.empty(B, c["P"], H, G, P, Nst, dtype=dtype, device=dev)
-        stash_accepted_path(pending, slots, c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"], impl="triton")
-        ssd_tree_step(None, None, c["A"], None, None, None, state, slots, pending, impl="triton", **kw)
+        stash_accepted_path(pending, slots, c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"], kernels="triton")
+        ssd_tree_step(None, None, c["A"], None, None, None, state, slots, pending, kernels="triton", **kw)
         want = st_ref[accepted_flat(c["tree"], c["acc_node"], dev)]
         out[N] = (_rel(y, y_ref), _rel(state[slots.long()], want))
         del st_ref
@@ -253,7 +253,7 @@ def check_baselines(cfg, dtype, dev, B=3, N=16, seed=5):
     c = to_device(make_case(B, N, cfg, seed, dtype, dev), dev)
     state = torch.randn(B, H, P, Nst, device=dev)
     kw = layer_kw(c)
-    kw.pop("impl")
+    kw.pop("kernels")
     y_ref, st_ref = ssd_tree_reference(c["tree_dev"], c["x"], c["dt"], c["A"], c["Bm"], c["Cm"], state[c["slots_dev"].long()], **kw)
     want = st_ref[accepted_flat(c["tree"], c["acc_node"], dev)]
     out = {}

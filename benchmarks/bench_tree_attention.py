@@ -34,12 +34,10 @@ on the GPU; bf16 tolerance: relative Frobenius error <= 1e-2 (typical 2-4e-3).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -47,6 +45,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import roofline_floor_ms  # noqa: E402
+from benchmarks.tree_cases import bastion_parents, branches_of  # noqa: E402
 from vllm_bole.attention import (  # noqa: E402
     accepted_path,
     compact_accepted_kv,
@@ -63,45 +62,6 @@ BATCHES = (1, 8, 32)
 NODES = (16, 64)
 BF16_TOL = 1e-2
 TARGET = dict(B=32, N=64, prefix=8192)
-
-
-# ------------------------------------------------------------------------------------- trees
-def bastion_parents(n: int, gen: torch.Generator, width: int = 6, max_depth: int = 16, peak: float = 3.0) -> list[int]:
-    """Best-first tree of ``n`` nodes: per-depth marginals over ``width`` ranked tokens, node score
-    = product of marginals along the path, always expand the best frontier candidate."""
-    marg = [torch.softmax(torch.randn(width, generator=gen) * peak, 0).sort(descending=True).values.tolist()
-            for _ in range(max_depth + 1)]
-    parents, depth, rho = [-1], [0], [1.0]
-    heap = [(-marg[1][0], 0, 0)]
-    while len(parents) < n and heap:
-        neg, par, r = heapq.heappop(heap)
-        new = len(parents)
-        parents.append(par)
-        depth.append(depth[par] + 1)
-        rho.append(-neg)
-        d = depth[par] + 1
-        if r + 1 < width:
-            heapq.heappush(heap, (-rho[par] * marg[d][r + 1], par, r + 1))
-        if depth[new] < max_depth:
-            heapq.heappush(heap, (-rho[new] * marg[depth[new] + 1][0], new, 0))
-    return parents
-
-
-def branches_of(parents: list[int]) -> list[list[int]]:
-    """Root-to-leaf paths (local indices) of one tree."""
-    n = len(parents)
-    has_child = [False] * n
-    for p in parents[1:]:
-        has_child[p] = True
-    out = []
-    for leaf in range(n):
-        if not has_child[leaf]:
-            path, x = [], leaf
-            while x >= 0:
-                path.append(x)
-                x = parents[x]
-            out.append(path[::-1])
-    return out
 
 
 # -------------------------------------------------------------------------------------- cases
@@ -380,6 +340,8 @@ def main():
     args = ap.parse_args()
     t_start = time.time()
     if args.cpu_check or not torch.cuda.is_available():
+        from benchmarks.tree_attention_cpu import cpu_check
+
         return cpu_check()
     from benchmarks.harness import bench_graph_ms, device_ceilings, write_results
 
@@ -432,63 +394,6 @@ def main():
     status = "passed" if all_ok else "FAILED"
     print(f"\nwrote {path}; targets {targets}; checks {status}; {time.time() - t_start:.0f} s")
     print_table(rows)
-
-
-def cpu_check():
-    """Tiny shapes on CPU, fp32: the torch path (and Triton under TRITON_INTERPRET=1), per-branch
-    and SDPA baselines against the float64 reference, counting, JSON writing."""
-    device, dtype = torch.device("cpu"), torch.float32
-    global HQ, HKV, HEAD_DIM
-    HQ, HKV, HEAD_DIM = 16, 2, 32  # Qwen3-Next's group of 8, small head dim
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    backends = ["torch"] + (["triton"] if interp else [])
-    checks = []
-    for backend in backends:
-        for (B, N, P) in ((3, 16, 37), (2, 9, 0), (1, 24, 64)):
-            kw = {"backend": backend}
-            res = check_case(B, N, P, 7, device, dtype, 1e-5, **kw)
-            res["backend"] = backend
-            checks.append(res)
-            print("check", json.dumps(res), flush=True)
-    comp = check_compaction_cpu()
-    print("check", json.dumps(comp))
-    ok = all(ch[k]["ok"] for ch in checks for k in ("ours", "ours_split4", "per_branch", "sdpa"))
-    ok = ok and comp["compaction_equal"]
-    ceil = {"copy_bytes_per_s": 4.24e12, "bf16_flops_per_s": 793e12}  # the H200's, from the brief
-    rows = [time_row(B, N, P, 5, ceil, cpu_timer, device, dtype) for (B, N, P) in ((2, 16, 48), (1, 8, 100))]
-    floor_target = target_floor(ceil)
-    out_dir = os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench_tree_attention_")
-    path = os.path.join(out_dir, "tree_attention_cpu_check.json")
-    with open(path, "w") as f:
-        json.dump({"device": "cpu", "torch": torch.__version__, "checks": checks, "compaction": comp, "rows": rows,
-                   "target_floor_h200": floor_target}, f, indent=1, default=str)
-    print_table(rows)
-    print(f"\nexpected floor at the target shape on the H200 (brief's ceilings): {json.dumps(floor_target)}")
-    print(f"cpu check {'passed' if ok else 'FAILED'}; wrote {path}")
-    return 0 if ok else 1
-
-
-def check_compaction_cpu():
-    """Compaction (Triton under TRITON_INTERPRET=1, else torch) against the autoregressive cache."""
-    c = make_case(4, 24, 37, 3, torch.device("cpu"), torch.float32, hq=HQ, hkv=HKV, d=HEAD_DIM)
-    tree = c["tree_cpu"]
-    cu = tree.cu_nodes.tolist()
-    last = torch.tensor([int(tree.depth[s:e].argmax()) for s, e in zip(cu[:-1], cu[1:])])
-    acc = accepted_path(tree, last)
-    bufs = torch.randn(3, *c["raw"].shape)  # 3 layers, vLLM 0.33 layout each
-    orig = bufs.clone()
-    ref = bufs.clone()
-    backend = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "torch"
-    compact_accepted_kv([x.unbind(1)[0] for x in bufs], [x.unbind(1)[1] for x in bufs], c["bt"], c["prefix"], acc,
-                        backend=backend)
-    P, page, bt = c["P"], c["page"], c["bt_cpu"]
-    moved = 0
-    for b in range(c["B"]):
-        for j, node in enumerate(x for x in acc[b].tolist() if x >= 0):
-            d_pos, s_pos = P + j, P + node
-            ref[:, int(bt[b, d_pos // page]), :, d_pos % page] = orig[:, int(bt[b, s_pos // page]), :, s_pos % page]
-            moved += node != j
-    return {"compaction_equal": bool(torch.equal(bufs, ref)), "backend": backend, "rows_moved": moved}
 
 
 def target_floor(ceil):

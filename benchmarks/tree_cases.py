@@ -10,10 +10,14 @@
   copy that node's state into the slot).
 - ``to_device(case, dev)``: the device copies every method reads (tree, slots, accepted).
 - ``print_summary(rows)``: the closing table both benchmarks print.
+- ``bastion_parents(n, gen)`` / ``branches_of(parents)``: bench_tree_attention.py's best-first
+  trees and their root-to-leaf paths.
 Random draws happen in a fixed order (trees, then the caller's inputs, then the accepted paths,
 then the slot permutation) so a seed gives the same case in every benchmark run.
 """
 from __future__ import annotations
+
+import heapq
 
 import torch
 
@@ -95,3 +99,41 @@ def print_summary(rows):
         print(f"{r['config']:18s} {r['B']:4d} {r['N']:4d} {r['ours_ms']:9.4f} {r['floor_ms']:9.4f} {r['ours_ms'] / r['floor_ms']:7.2f} "
               f"{r['serial_ms'] / r['ours_ms']:9.1f} {r['per_node_ms'] / r['ours_ms']:10.1f} "
               f"{r['per_node_transient_bytes'] / r['ours_transient_bytes']:7.1f}")
+
+
+def bastion_parents(n: int, gen: torch.Generator, width: int = 6, max_depth: int = 16, peak: float = 3.0) -> list[int]:
+    """Best-first tree of ``n`` nodes: per-depth marginals over ``width`` ranked tokens, node score
+    = product of marginals along the path, always expand the best frontier candidate."""
+    marg = [torch.softmax(torch.randn(width, generator=gen) * peak, 0).sort(descending=True).values.tolist()
+            for _ in range(max_depth + 1)]
+    parents, depth, rho = [-1], [0], [1.0]
+    heap = [(-marg[1][0], 0, 0)]
+    while len(parents) < n and heap:
+        neg, par, r = heapq.heappop(heap)
+        new = len(parents)
+        parents.append(par)
+        depth.append(depth[par] + 1)
+        rho.append(-neg)
+        d = depth[par] + 1
+        if r + 1 < width:
+            heapq.heappush(heap, (-rho[par] * marg[d][r + 1], par, r + 1))
+        if depth[new] < max_depth:
+            heapq.heappush(heap, (-rho[new] * marg[depth[new] + 1][0], new, 0))
+    return parents
+
+
+def branches_of(parents: list[int]) -> list[list[int]]:
+    """Root-to-leaf paths (local indices) of one tree."""
+    n = len(parents)
+    has_child = [False] * n
+    for p in parents[1:]:
+        has_child[p] = True
+    out = []
+    for leaf in range(n):
+        if not has_child[leaf]:
+            path, x = [], leaf
+            while x >= 0:
+                path.append(x)
+                x = parents[x]
+            out.append(path[::-1])
+    return out

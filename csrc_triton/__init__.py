@@ -1,3 +1,17 @@
-"""Triton kernels of vllm-bole. Each kernel has a plain-torch twin in ``vllm_bole`` that is the
-CPU path and the test oracle's twin. On CPU, kernels run only under ``TRITON_INTERPRET=1``
-(set before import)."""
+"""Triton kernels of vllm-bole. On CPU they run only under ``TRITON_INTERPRET=1`` (set before import).
+
+Each kernel has a plain-torch twin (the CPU path) and a float64 reference (the tests' oracle)
+side by side in the operation's package, whose ``__init__`` is the public API and dispatch
+(``kernels`` = "auto" | "torch" | "triton", ``vllm_bole.dispatch``):
+
+  kernel (here)        API                                  twin / reference (beside the API)
+  gdn_tree.py          vllm_bole.gdn                        gdn/naive.py, gdn/reference.py
+  ssd_tree.py          vllm_bole.mamba.ssd_tree             mamba/ssd_tree/{naive,reference}.py
+  tree_conv.py         vllm_bole.mamba.tree_conv            mamba/tree_conv/{naive,reference}.py
+  tree_attention.py    vllm_bole.attention.tree_attention   attention/tree_attention/{naive,reference}.py
+  kv_compaction.py     vllm_bole.attention.kv_compaction    attention/kv_compaction/{naive,reference}.py
+  pending_stash.py     vllm_bole.pending                    (the stash's torch twin is inline there)
+
+``tiles.py`` holds the tile helpers the recurrent kernels share (mm, ancestor-mask tiles, the
+nilpotent inverse).
+"""

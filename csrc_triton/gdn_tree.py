@@ -27,21 +27,21 @@ sum_{j<i} A_ij d_j and sum_{j<i} (e^{G_i - G_j} q_i.k_j) d_j from the earlier bl
 global fp32 scratch [T, Hv, V], and their G, written and read back by the same program after a
 barrier), then
 d_i = (I + A_ii)^{-1} (U_i - sum_{j<i} A_ij d_j). Diagonal blocks are inverted as the Neumann
-series of the nilpotent A_ii ((I - A)(I + A^2)(I + A^4)..., ``tree_common.unit_lower_inverse``).
+series of the nilpotent A_ii ((I - A)(I + A^2)(I + A^4)..., ``tiles.unit_lower_inverse``).
 G of a block is summed from the ancestor mask over the blocks at or before it.
 
 Precision: fp32 inputs -> fp32 operands (tf32 tensor-core products on the GPU, exact fp32 in the
 interpreter); 16-bit inputs -> bf16 operands with fp32 accumulation (``LOWP``; FLA's chunk
 kernels do the same, the state tile included), emulated exactly under the interpreter
-(``tree_common.mm``). The commit always uses fp32 operands. Shared memory on the H200 (227 KB):
+(``tiles.mm``). The commit always uses fp32 operands. Shared memory on the H200 (227 KB):
 the launcher keeps every operand tile at most [64, 128] fp32 (BR = CP = 32, BV = 32 when K = 256).
-The plain-torch twin is ``vllm_bole.mamba.gdn_tree``; the accepted-path stash is the shared
-``csrc_triton.tree_common.stash_kernel``.
+API and dispatch: ``vllm_bole.gdn``; plain-torch twin: ``vllm_bole/gdn/naive.py``; float64
+reference: ``vllm_bole/gdn/reference.py``; the accepted-path stash: ``csrc_triton.pending_stash``.
 """
 import triton
 import triton.language as tl
 
-from csrc_triton.tree_common import INTERPRET, anc_tile, mm, squarings, unit_lower_inverse
+from csrc_triton.tiles import INTERPRET, anc_tile, mm, program_head, squarings, unit_lower_inverse
 
 MAX_BLOCK_R = 64  # node rows per block (trees of up to this many nodes run as one block)
 
@@ -63,11 +63,7 @@ def gdn_commit_kernel(
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, CP: tl.constexpr, STEPS: tl.constexpr, USE_L2NORM: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = pid // Hv
-    h = pid % Hv
-    hk = h // (Hv // Hk)
-    slot = tl.load(state_idx + b).to(tl.int64)
+    b, h, hk, slot = program_head(state_idx, Hv, Hk)
     m = tl.load(plen + slot)
     if m > 0:
         o_k = tl.arange(0, K)
@@ -171,11 +167,7 @@ def gdn_verify_kernel(
     BR: tl.constexpr, BV: tl.constexpr, MW: tl.constexpr, MULTI: tl.constexpr,
     USE_L2NORM: tl.constexpr, LOWP: tl.constexpr, EMUL: tl.constexpr, INV_LOWP: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = pid // Hv
-    h = pid % Hv
-    hk = h // (Hv // Hk)
-    slot = tl.load(state_idx + b).to(tl.int64)
+    b, h, hk, slot = program_head(state_idx, Hv, Hk)
     bos = tl.load(cu_nodes + b)
     n = tl.load(cu_nodes + b + 1) - bos
     o_k = tl.arange(0, K)
@@ -200,7 +192,7 @@ def _pow2_divisor(x: int, cap: int) -> int:
 
 
 def gdn_commit(state, state_idx, pending, use_qk_l2norm, *, block_v=None, block_c=None, num_warps=4):
-    """Launch ``gdn_commit_kernel`` (arguments as ``vllm_bole.mamba.gdn_tree.gdn_commit_pending``).
+    """Launch ``gdn_commit_kernel`` (arguments as ``vllm_bole.gdn.gdn_commit_pending``).
     Defaults: BV = 64 (32 when K = 256), chunks of CP = 32 tokens (16 for paths of <= 16).
     """
     Hv, K, V = state.shape[1:]
@@ -218,7 +210,7 @@ def gdn_commit(state, state_idx, pending, use_qk_l2norm, *, block_v=None, block_
 
 def gdn_verify(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, out=None, *,
                block_r=None, block_v=None, num_warps=4, lowp=None, inv_lowp=None):
-    """Launch ``gdn_verify_kernel``; arguments as ``vllm_bole.mamba.gdn_tree.gdn_tree_step``.
+    """Launch ``gdn_verify_kernel``; arguments as ``vllm_bole.gdn.gdn_tree_step``.
     Returns o [T, Hv, V] in v's dtype (``out`` if given: contiguous).
 
     Defaults: trees of up to 64 nodes (32 when K = 256) are one block of BR = that size rounded

@@ -29,16 +29,16 @@ recomputed by every (head, P tile) program: a [BR, N] x [N, BR] product per bloc
 against the state tile's bytes. Precision: fp32 inputs -> fp32 operands (tf32 tensor-core
 products on the GPU, exact fp32 in the interpreter); 16-bit inputs -> bf16 operands with fp32
 accumulation (the state tile rounded to bf16 for the C h^T product only), emulated exactly under
-the interpreter (``tree_common.mm``); the commit keeps fp32 operands and the state stays fp32 in
+the interpreter (``tiles.mm``); the commit keeps fp32 operands and the state stays fp32 in
 registers, stored in its own dtype. Shared memory on the H200 (227 KB): operand tiles stay at
-most [64, 128] fp32 (BP = BR = 32 when d_state = 256). The plain-torch twin is
-``vllm_bole.mamba.ssd_tree``; the accepted-path stash is the shared
-``csrc_triton.tree_common.stash_kernel``.
+most [64, 128] fp32 (BP = BR = 32 when d_state = 256). API and dispatch:
+``vllm_bole.mamba.ssd_tree``; plain-torch twin: its ``naive.py``; float64 reference: its
+``reference.py``; the accepted-path stash: ``csrc_triton.pending_stash``.
 """
 import triton
 import triton.language as tl
 
-from csrc_triton.tree_common import INTERPRET, anc_tile, mm
+from csrc_triton.tiles import INTERPRET, anc_tile, mm, program_head
 
 
 @triton.jit
@@ -123,11 +123,7 @@ def ssd_tree_step_kernel(
     HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, LOWP: tl.constexpr, BF16_EMUL: tl.constexpr, EVEN: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    g = h // (H // G)
-    slot = tl.load(state_idx + b).to(tl.int64)
+    b, h, g, slot = program_head(state_idx, H, G)
     o_n = tl.arange(0, BN)
     nm = o_n < N
     o_p = tl.program_id(1) * BP + tl.arange(0, BP)

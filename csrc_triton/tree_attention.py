@@ -1,8 +1,9 @@
-"""Triton kernels: tree attention over a paged KV cache, and accepted-path KV compaction.
+"""Triton kernel: tree attention over a paged KV cache.
 
-Plain-torch twins, the public API and the layout description live in
-``vllm_bole.attention.tree_attention``; this module is imported lazily from there (on CPU it
-only works under ``TRITON_INTERPRET=1``, which must be set before this module is imported).
+The public API and the layout description live in ``vllm_bole.attention.tree_attention``, the
+plain-torch twin beside it in ``naive.py``, the float64 reference in ``reference.py``; the
+accepted-path KV compaction kernel is ``csrc_triton.kv_compaction``. Imported lazily by the API
+(on CPU it only works under ``TRITON_INTERPRET=1``, set before this module is imported).
 
 Paged layout (vLLM's Triton attention backend, per layer and per side):
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], any strides
@@ -20,16 +21,12 @@ Tree attention kernel (``_tree_attn_fwd``), flash-decoding style:
     tiles run without masks; the remaining tiles (the prefix's tail and the tree) apply
     "key < prefix_len  or  bit (key - prefix_len) of anc_mask[node]";
   * online softmax in fp32 with exp2 (scale * log2 e folded into the scores);
-  * two forms, picked by the autotuner: rows (S = Q K^T, [M, keys]; on Hopper q stays in shared
-    memory as wgmma's A operand, P is the register A operand of P V) and swapped (S^T = K Q^T,
-    acc^T = V^T P^T), the usual trick for small M;
+  * two forms of one online-softmax body (``_attend``, oriented by ``_outer``), picked by the
+    autotuner: rows (S = Q K^T, [M, keys]; on Hopper q stays in shared memory as wgmma's A
+    operand, P is the register A operand of P V) and swapped (S^T = K Q^T, acc^T = V^T P^T),
+    the usual trick for small M;
   * optional split-K over the key range (for small batches): each split writes an unnormalised
     partial (acc, m, l) in fp32 and ``_tree_attn_reduce`` merges them.
-
-Compaction kernel (``_compact_kv``): one program per (request, layer x {K, V}, kv head); all
-layers' caches are addressed as element offsets from the first layer's pointer, so every layer
-goes in one launch. Each program gathers the whole accepted path of its head into registers,
-then a barrier, then scatters it: overlapping sources and destinations are safe.
 """
 from __future__ import annotations
 
@@ -74,186 +71,126 @@ def _dmask(HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 
 @triton.jit
-def _body_rows(
-    Q, Out, Part_acc, Part_ml, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp, P, kv_len, lo,
-    mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb, stride_vs,
-    stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
-    PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Scores as [BLOCK_M (node x head), BLOCK_N (keys)]: q is the A operand of QK^T, P of PV."""
-    PAD_D: tl.constexpr = HEAD_DIM != HEAD_PAD
-    offs_d = tl.arange(0, HEAD_PAD)
-    t, head, row_ok = _rows(qb, node_start, n_nodes, h, G, G_PAD, BLOCK_M)
-    q_ptrs = Q + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    if PAD_D:
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & _dmask(HEAD_DIM, HEAD_PAD)[None, :], other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    for start in range(lo, mid, BLOCK_N):
-        pos, key_ok, blk, slot = _kv_tile(bt_row, start, kv_len, PAGE_SIZE, BLOCK_N, False)
-        k_ptrs = k_base + blk[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
-        v_ptrs = v_base + blk[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
-        if PAD_D:
-            k = tl.load(k_ptrs, mask=_dmask(HEAD_DIM, HEAD_PAD)[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=_dmask(HEAD_DIM, HEAD_PAD)[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for start in range(mid, hi, BLOCK_N):
-        pos, key_ok, blk, slot = _kv_tile(bt_row, start, kv_len, PAGE_SIZE, BLOCK_N, True)
-        k_ptrs = k_base + blk[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
-        v_ptrs = v_base + blk[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
-        if PAD_D:
-            k = tl.load(k_ptrs, mask=_dmask(HEAD_DIM, HEAD_PAD)[:, None] & key_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=_dmask(HEAD_DIM, HEAD_PAD)[None, :] & key_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * qk_scale
-        t2, head2, row_ok2 = _rows(qb, node_start, n_nodes, h, G, G_PAD, BLOCK_M)
-        j = pos - P  # local index of the tree node at this key (negative: prefix)
-        is_tree = (j >= 0) & key_ok
-        jj = tl.where(is_tree, j, 0)
-        word = tl.load(Anc_mask + t2[:, None] * stride_anc + (jj // 32)[None, :],
-                       mask=row_ok2[:, None] & is_tree[None, :], other=0)
-        allowed = ((pos < P) & key_ok)[None, :] | (((word >> (jj % 32)[None, :]) & 1) != 0)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    t, head, row_ok = _rows(qb, node_start, n_nodes, h, G, G_PAD, BLOCK_M)
-    if SPLIT:
-        pa = Part_acc + sp.to(tl.int64) * stride_ps + t[:, None] * stride_pt + head[:, None] * stride_ph
-        tl.store(pa + offs_d[None, :], acc, mask=row_ok[:, None])
-        pm = Part_ml + sp.to(tl.int64) * stride_ms + t * stride_mt + head * stride_mh
-        tl.store(pm, m_i, mask=row_ok)
-        tl.store(pm + 1, l_i, mask=row_ok)
-    else:
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        o_ptrs = Out + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[:, None] & _dmask(HEAD_DIM, HEAD_PAD)[None, :])
+def _outer(row_vec, col_vec, SWAP: tl.constexpr):
+    """(row_vec[:, None], col_vec[None, :]) in the tile's orientation: [rows = query x head,
+    cols = keys or head dim] normally, transposed when SWAP."""
+    if SWAP:
+        return row_vec[None, :], col_vec[:, None]
+    return row_vec[:, None], col_vec[None, :]
 
 
 @triton.jit
-def _body_cols(
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i, q, Anc_mask, bt_row, k_base, v_base, start, kv_len, P, t, row_ok, qk_scale,
+    stride_kb, stride_ks, stride_vb, stride_vs, stride_anc,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SWAP: tl.constexpr,
+):
+    """One key tile of the online softmax. Rows form: S = Q K^T [M, N], acc [M, D] += P V (q is
+    wgmma's A operand, P the register A operand of P V). SWAP: S^T = K Q^T [N, M], acc^T [D, M]
+    += V^T P^T (q^T a B operand: the usual trick for small M). MASKED tiles (the prefix's tail
+    and the tree) allow "key < prefix_len or bit (key - prefix_len) of anc_mask[node]"."""
+    AX: tl.constexpr = 0 if SWAP else 1  # the key axis of the score tile
+    PAD_D: tl.constexpr = HEAD_DIM != HEAD_PAD
+    offs_d = tl.arange(0, HEAD_PAD)
+    pos, key_ok, blk, slot = _kv_tile(bt_row, start, kv_len, PAGE_SIZE, BLOCK_N, MASKED)
+    blk_c, d_r = _outer(blk, offs_d, not SWAP)  # K^T as [D, N] (rows) or K as [N, D] (SWAP)
+    slot_c, _ = _outer(slot, offs_d, not SWAP)
+    k_ptrs = k_base + blk_c * stride_kb + slot_c * stride_ks + d_r
+    blk_v, d_v = _outer(blk, offs_d, SWAP)  # V as [N, D] (rows) or V^T as [D, N] (SWAP)
+    slot_v, _ = _outer(slot, offs_d, SWAP)
+    v_ptrs = v_base + blk_v * stride_vb + slot_v * stride_vs + d_v
+    if MASKED or PAD_D:
+        kk, dk = _outer(key_ok, _dmask(HEAD_DIM, HEAD_PAD), not SWAP)
+        kv, dv = _outer(key_ok, _dmask(HEAD_DIM, HEAD_PAD), SWAP)
+        if MASKED and PAD_D:
+            k = tl.load(k_ptrs, mask=kk & dk, other=0.0)
+            v = tl.load(v_ptrs, mask=kv & dv, other=0.0)
+        elif MASKED:
+            k = tl.load(k_ptrs, mask=kk, other=0.0)
+            v = tl.load(v_ptrs, mask=kv, other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=dk, other=0.0)
+            v = tl.load(v_ptrs, mask=dv, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if SWAP:
+        s = _dot(k, q, IEEE) * qk_scale
+    else:
+        s = _dot(q, k, IEEE) * qk_scale
+    if MASKED:
+        j = pos - P  # local index of the tree node at this key (negative: prefix)
+        is_tree = (j >= 0) & key_ok
+        jj = tl.where(is_tree, j, 0)
+        t_r, jw_c = _outer(t, jj // 32, SWAP)
+        ok_r, tree_c = _outer(row_ok, is_tree, SWAP)
+        word = tl.load(Anc_mask + t_r * stride_anc + jw_c, mask=ok_r & tree_c, other=0)
+        _, bit_c = _outer(t, jj % 32, SWAP)
+        _, pre_c = _outer(t, (pos < P) & key_ok, SWAP)
+        s = tl.where(pre_c | (((word >> bit_c) & 1) != 0), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, AX))
+    if MASKED:  # a row may have no allowed key yet in this tile
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    alpha = tl.exp2(m_i - m_new_safe)
+    m_b, _ = _outer(m_new_safe, offs_d, SWAP)
+    p = tl.exp2(s - m_b)
+    l_i = l_i * alpha + tl.sum(p, AX)
+    alpha_b, _ = _outer(alpha, offs_d, SWAP)
+    if SWAP:
+        acc = acc * alpha_b + _dot(v, p.to(v.dtype), IEEE)
+    else:
+        acc = acc * alpha_b + _dot(p.to(v.dtype), v, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_body(
     Q, Out, Part_acc, Part_ml, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp, P, kv_len, lo,
     mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb, stride_vs,
     stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
     PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
 ):
-    """Swapped operands: scores as [BLOCK_N (keys), BLOCK_M (node x head)] = K Q^T and
-    acc^T [HEAD_PAD, BLOCK_M] += V^T P^T (q^T is a B operand)."""
-    PAD_D: tl.constexpr = HEAD_DIM != HEAD_PAD
+    """The online softmax over keys [lo, hi) of one query block: unmasked prefix tiles [lo, mid),
+    then masked tiles [mid, hi); writes the normalised output, or the split's partial."""
     offs_d = tl.arange(0, HEAD_PAD)
     t, head, row_ok = _rows(qb, node_start, n_nodes, h, G, G_PAD, BLOCK_M)
-    qt_ptrs = Q + t[None, :] * stride_qt + head[None, :] * stride_qh + offs_d[:, None]
-    if PAD_D:
-        qt = tl.load(qt_ptrs, mask=row_ok[None, :] & _dmask(HEAD_DIM, HEAD_PAD)[:, None], other=0.0)
-    else:
-        qt = tl.load(qt_ptrs, mask=row_ok[None, :], other=0.0)
+    t_r, d_c = _outer(t, offs_d, SWAP)
+    head_r, _ = _outer(head, offs_d, SWAP)
+    ok_r, dm_c = _outer(row_ok, _dmask(HEAD_DIM, HEAD_PAD), SWAP)
+    q = tl.load(Q + t_r * stride_qt + head_r * stride_qh + d_c, mask=ok_r & dm_c, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([HEAD_PAD, BLOCK_M], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([HEAD_PAD, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     for start in range(lo, mid, BLOCK_N):
-        pos, key_ok, blk, slot = _kv_tile(bt_row, start, kv_len, PAGE_SIZE, BLOCK_N, False)
-        k_ptrs = k_base + blk[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :]
-        vt_ptrs = v_base + blk[None, :] * stride_vb + slot[None, :] * stride_vs + offs_d[:, None]
-        if PAD_D:
-            k = tl.load(k_ptrs, mask=_dmask(HEAD_DIM, HEAD_PAD)[None, :], other=0.0)
-            vt = tl.load(vt_ptrs, mask=_dmask(HEAD_DIM, HEAD_PAD)[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            vt = tl.load(vt_ptrs)
-        if IEEE:
-            s = tl.dot(k, qt, input_precision="ieee")
-        else:
-            s = tl.dot(k, qt)
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        if IEEE:
-            acc = acc * alpha[None, :] + tl.dot(vt, p.to(vt.dtype), input_precision="ieee")
-        else:
-            acc = acc * alpha[None, :] + tl.dot(vt, p.to(vt.dtype))
-        m_i = m_new
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, Anc_mask, bt_row, k_base, v_base, start, kv_len, P, t, row_ok,
+                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_anc,
+                                PAGE_SIZE, HEAD_DIM, HEAD_PAD, IEEE, BLOCK_N, False, SWAP)
     for start in range(mid, hi, BLOCK_N):
-        pos, key_ok, blk, slot = _kv_tile(bt_row, start, kv_len, PAGE_SIZE, BLOCK_N, True)
-        k_ptrs = k_base + blk[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :]
-        vt_ptrs = v_base + blk[None, :] * stride_vb + slot[None, :] * stride_vs + offs_d[:, None]
-        if PAD_D:
-            k = tl.load(k_ptrs, mask=_dmask(HEAD_DIM, HEAD_PAD)[None, :] & key_ok[:, None], other=0.0)
-            vt = tl.load(vt_ptrs, mask=_dmask(HEAD_DIM, HEAD_PAD)[:, None] & key_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
-            vt = tl.load(vt_ptrs, mask=key_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(k, qt, input_precision="ieee")
-        else:
-            s = tl.dot(k, qt)
-        s = s * qk_scale
-        t2, head2, row_ok2 = _rows(qb, node_start, n_nodes, h, G, G_PAD, BLOCK_M)
-        j = pos - P
-        is_tree = (j >= 0) & key_ok
-        jj = tl.where(is_tree, j, 0)
-        word = tl.load(Anc_mask + t2[None, :] * stride_anc + (jj // 32)[:, None],
-                       mask=row_ok2[None, :] & is_tree[:, None], other=0)
-        allowed = ((pos < P) & key_ok)[:, None] | (((word >> (jj % 32)[:, None]) & 1) != 0)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        if IEEE:
-            acc = acc * alpha[None, :] + tl.dot(vt, p.to(vt.dtype), input_precision="ieee")
-        else:
-            acc = acc * alpha[None, :] + tl.dot(vt, p.to(vt.dtype))
-        m_i = m_new
-    t, head, row_ok = _rows(qb, node_start, n_nodes, h, G, G_PAD, BLOCK_M)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, Anc_mask, bt_row, k_base, v_base, start, kv_len, P, t, row_ok,
+                                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_anc,
+                                PAGE_SIZE, HEAD_DIM, HEAD_PAD, IEEE, BLOCK_N, True, SWAP)
     if SPLIT:
-        pa = Part_acc + sp.to(tl.int64) * stride_ps + t[None, :] * stride_pt + head[None, :] * stride_ph
-        tl.store(pa + offs_d[:, None], acc, mask=row_ok[None, :])
+        tl.store(Part_acc + sp.to(tl.int64) * stride_ps + t_r * stride_pt + head_r * stride_ph + d_c, acc, mask=ok_r)
         pm = Part_ml + sp.to(tl.int64) * stride_ms + t * stride_mt + head * stride_mh
         tl.store(pm, m_i, mask=row_ok)
         tl.store(pm + 1, l_i, mask=row_ok)
     else:
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[None, :]
-        o_ptrs = Out + t[None, :] * stride_ot + head[None, :] * stride_oh + offs_d[:, None]
-        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[None, :] & _dmask(HEAD_DIM, HEAD_PAD)[:, None])
+        l_b, _ = _outer(tl.where(l_i > 0.0, l_i, 1.0), offs_d, SWAP)
+        tl.store(Out + t_r * stride_ot + head_r * stride_oh + d_c, (acc / l_b).to(Out.dtype.element_ty), mask=ok_r & dm_c)
 
 
 @triton.jit(do_not_specialize=["tune_bucket"])
@@ -272,33 +209,10 @@ def _tree_attn_fwd(
     num_kv_heads,
     split_keys,  # keys per split (multiple of BLOCK_N)
     tune_bucket,  # unused by the kernel: a coarse problem-size class for the autotuner's key
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_bt,
-    stride_anc,
-    stride_ps,
-    stride_pt,
-    stride_ph,
-    stride_ms,
-    stride_mt,
-    stride_mh,
-    PAGE_SIZE: tl.constexpr,
-    G: tl.constexpr,
-    G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
+    PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SWAP: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
@@ -325,39 +239,19 @@ def _tree_attn_fwd(
     bt_row = Block_table + b.to(tl.int64) * stride_bt
     k_base = K_cache + h * stride_kh
     v_base = V_cache + h * stride_vh
-    if SWAP:
-        _body_cols(
-            Q, Out, Part_acc, Part_ml, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp, P, kv_len,
-            lo, mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb,
-            stride_vs, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
-            PAGE_SIZE, G, G_PAD, HEAD_DIM, HEAD_PAD, SPLIT, IEEE, BLOCK_M, BLOCK_N,
-        )
-    else:
-        _body_rows(
-            Q, Out, Part_acc, Part_ml, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp, P, kv_len,
-            lo, mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb,
-            stride_vs, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
-            PAGE_SIZE, G, G_PAD, HEAD_DIM, HEAD_PAD, SPLIT, IEEE, BLOCK_M, BLOCK_N,
-        )
+    _attn_body(
+        Q, Out, Part_acc, Part_ml, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp, P, kv_len,
+        lo, mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb,
+        stride_vs, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
+        PAGE_SIZE, G, G_PAD, HEAD_DIM, HEAD_PAD, SPLIT, IEEE, BLOCK_M, BLOCK_N, SWAP,
+    )
 
 
 @triton.jit
 def _tree_attn_reduce(
-    Part_acc,
-    Part_ml,
-    Out,
-    num_splits,
-    stride_ps,
-    stride_pt,
-    stride_ph,
-    stride_ms,
-    stride_mt,
-    stride_mh,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
+    Part_acc, Part_ml, Out, num_splits, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, S_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -522,95 +416,3 @@ def tree_attention_triton(
             num_warps=4,
         )
     return out
-
-
-# ----------------------------------------------------------------------------- KV compaction
-@triton.jit
-def _compact_kv(
-    Base,  # pointer of the first layer's key cache; every cache is Base + its element offset
-    Offsets,  # [2 * L] int64: element offsets of layer l's key cache (2l) and value cache (2l+1)
-    Block_table,
-    Prefix_len,
-    Accepted,  # [B, W] int32: local node indices of the accepted path, root first, -1 padded
-    W,
-    num_kv_heads,
-    stride_b,
-    stride_s,
-    stride_h,
-    stride_bt,
-    stride_acc,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    W_PAD: tl.constexpr,
-    D_CHUNK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    c = tl.program_id(1)  # layer x {K, V}
-    h = tl.program_id(2)
-    j = tl.arange(0, W_PAD)
-    src = tl.load(Accepted + b.to(tl.int64) * stride_acc + j, mask=j < W, other=-1)
-    move = (src >= 0) & (src != j)
-    P = tl.load(Prefix_len + b).to(tl.int32)
-    src_pos = P + tl.where(move, src, 0)
-    dst_pos = P + j
-    bt_row = Block_table + b.to(tl.int64) * stride_bt
-    src_blk = tl.load(bt_row + src_pos // PAGE_SIZE, mask=move, other=0).to(tl.int64)
-    dst_blk = tl.load(bt_row + dst_pos // PAGE_SIZE, mask=move, other=0).to(tl.int64)
-    off = tl.load(Offsets + c)
-    base = Base + off + h * stride_h
-    src_row = src_blk * stride_b + (src_pos % PAGE_SIZE) * stride_s
-    dst_row = dst_blk * stride_b + (dst_pos % PAGE_SIZE) * stride_s
-    offs_d = tl.arange(0, D_CHUNK)
-    # Chunks of the head dimension touch disjoint addresses: only load -> store needs a barrier.
-    for d0 in range(0, HEAD_DIM, D_CHUNK):
-        d = d0 + offs_d
-        msk = move[:, None] & (d < HEAD_DIM)[None, :]
-        x = tl.load(base + src_row[:, None] + d[None, :], mask=msk, other=0.0)
-        tl.debug_barrier()
-        tl.store(base + dst_row[:, None] + d[None, :], x, mask=msk)
-        tl.debug_barrier()
-
-
-def compact_accepted_kv_triton(
-    key_caches: list[torch.Tensor],
-    value_caches: list[torch.Tensor],
-    block_table: torch.Tensor,
-    prefix_len: torch.Tensor,
-    accepted: torch.Tensor,
-    offsets: torch.Tensor | None = None,
-) -> None:
-    """One launch for all layers; see ``vllm_bole.attention.tree_attention.compact_accepted_kv``.
-
-    ``offsets`` (int64 [2L] on the device, from ``cache_offsets``) may be precomputed once, since
-    the caches do not move; otherwise it is built here (a small host-to-device copy).
-    """
-    ref = key_caches[0]
-    caches = [c for pair in zip(key_caches, value_caches) for c in pair]
-    for c in caches:
-        assert c.dtype == ref.dtype and c.shape == ref.shape and c.stride() == ref.stride() and c.device == ref.device
-    assert ref.stride(-1) == 1
-    B, W = accepted.shape
-    if B == 0 or W <= 1:
-        return
-    if offsets is None:
-        offsets = cache_offsets(key_caches, value_caches)
-    _, page_size, Hkv, D = ref.shape
-    d_chunk = min(64, max(16, triton.next_power_of_2(D)))
-    _compact_kv[(B, len(caches), Hkv)](
-        ref, offsets, block_table, prefix_len, accepted, W, Hkv,
-        ref.stride(0), ref.stride(1), ref.stride(2), block_table.stride(0), accepted.stride(0),
-        PAGE_SIZE=page_size, HEAD_DIM=D, W_PAD=max(2, triton.next_power_of_2(W)), D_CHUNK=d_chunk,
-        num_warps=4,
-    )
-
-
-def cache_offsets(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> torch.Tensor:
-    """int64 [2L] element offsets of every layer's K and V cache from ``key_caches[0]``."""
-    ref = key_caches[0]
-    es = ref.element_size()
-    offs = []
-    for c in (c for pair in zip(key_caches, value_caches) for c in pair):
-        diff = c.data_ptr() - ref.data_ptr()
-        assert diff % es == 0
-        offs.append(diff // es)
-    return torch.tensor(offs, dtype=torch.int64).to(ref.device)

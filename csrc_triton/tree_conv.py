@@ -4,7 +4,8 @@ A node's window is its own pre-conv input and those of its W-1 nearest ancestors
 reach above the root come from the request's committed conv state (oldest first). With the
 node at depth d, tap j (0..W-1, W-1 = the node itself) reads depth s = d - (W-1) + j: the
 ancestor ``path[i, s]`` when s >= 0, else committed column ``s + W - 1``.
-The plain-torch twin is ``vllm_bole.mamba.tree_conv``.
+API and dispatch: ``vllm_bole.mamba.tree_conv``; plain-torch twin: its ``naive.py``; float64
+reference: its ``reference.py``.
 """
 import triton
 import triton.language as tl

@@ -7,11 +7,11 @@ fp32 tolerance: 1e-4 relative (interpreter dots are exact fp32; the torch twin s
 import pytest
 import torch
 
-from vllm_bole.mamba.gdn_tree import PendingPath, gdn_commit_pending, gdn_tree_step, stash_accepted_path
+from vllm_bole.gdn import PendingPath, gdn_commit_pending, gdn_tree_step, stash_accepted_path
 from vllm_bole.testing.oracles import random_accepted_paths, gdn_tree_reference, make_tree_shape, random_tree_batch, strided, tree_shapes
 from vllm_bole.testing.stats import rel_err
 
-IMPLS = ["torch", "triton"]
+KERNELS = ["torch", "triton"]
 Hk, Hv, K, V = 2, 4, 16, 32
 
 
@@ -31,11 +31,11 @@ def _state_cache(num_slots, gen, layout):
     return s
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("shape", tree_shapes())
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_verify_matches_oracle(impl, shape, layout):
-    gen = torch.Generator().manual_seed(hash((impl, shape, layout)) % 2**31)
+def test_verify_matches_oracle(kernels, shape, layout):
+    gen = torch.Generator().manual_seed(hash((kernels, shape, layout)) % 2**31)
     tree = make_tree_shape(shape, seed=int(torch.randint(1000, (1,), generator=gen)))
     B, T = tree.num_requests, tree.num_nodes
     q, k, v, g, beta = _inputs(T, gen)
@@ -45,19 +45,19 @@ def test_verify_matches_oracle(impl, shape, layout):
     o_ref, _ = gdn_tree_reference(tree, q, k, v, g, beta, cache[slots.long()])
     if layout == "vk":  # and inputs as non-contiguous slices, as vLLM's fused projections give them
         q, k, v, g, beta = (strided(x) for x in (q, k, v, g, beta))
-    o = gdn_tree_step(q, k, v, g, beta, tree, cache, slots, impl=impl)
+    o = gdn_tree_step(q, k, v, g, beta, tree, cache, slots, kernels=kernels)
     assert o.shape == (T, Hv, V) and torch.isfinite(o).all()
     assert rel_err(o, o_ref) < 1e-4
     assert torch.equal(cache, before), "verification alone must not write the state"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("shape", ["chains_batch", "deep16", "ragged", "random"])
-def test_step_commits_previous_path_then_verifies(impl, shape):
+def test_step_commits_previous_path_then_verifies(kernels, shape):
     """Two steps: verify tree 1, accept a random root-to-node path per request, then one step
     commits it and verifies tree 2 (Triton: two launches); compare
     outputs and the final states with the oracle."""
-    gen = torch.Generator().manual_seed(hash((impl, shape, "step")) % 2**31)
+    gen = torch.Generator().manual_seed(hash((kernels, shape, "step")) % 2**31)
     tree1 = make_tree_shape(shape, seed=int(torch.randint(1000, (1,), generator=gen)))
     B = tree1.num_requests
     S_total = B + 2
@@ -69,16 +69,16 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     pending.k.fill_(float("nan"))  # rows past each path's length must never be read
     S0 = cache[slots.long()].clone()
     _, st_ref = gdn_tree_reference(tree1, q, k, v, g, beta, S0)
-    gdn_tree_step(q, k, v, g, beta, tree1, cache, slots, pending, impl=impl)
+    gdn_tree_step(q, k, v, g, beta, tree1, cache, slots, pending, kernels=kernels)
     accepted, last = random_accepted_paths(tree1, 17, gen)
-    stash_accepted_path(pending, slots, tree1, accepted, k, v, g, beta, impl=impl)
+    stash_accepted_path(pending, slots, tree1, accepted, k, v, g, beta, kernels=kernels)
     assert pending.length[slots.long()].tolist() == (accepted >= 0).sum(1).tolist()
     S1 = st_ref[last]
     # step 2 on a new tree: commit + verify in one call
     tree2 = random_tree_batch([int(torch.randint(1, 20, (1,), generator=gen)) for _ in range(B)], generator=gen)
     q2, k2, v2, g2, beta2 = _inputs(tree2.num_nodes, gen)
     before_untouched = cache[untouched].clone()
-    o2 = gdn_tree_step(q2, k2, v2, g2, beta2, tree2, cache, slots, pending, impl=impl)
+    o2 = gdn_tree_step(q2, k2, v2, g2, beta2, tree2, cache, slots, pending, kernels=kernels)
     o2_ref, _ = gdn_tree_reference(tree2, q2, k2, v2, g2, beta2, S1)
     assert rel_err(cache[slots.long()], S1) < 1e-4
     assert rel_err(o2, o2_ref) < 1e-4
@@ -86,8 +86,8 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     assert (pending.length[slots.long()] == 0).all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_commit_alone_and_zero_length_paths(impl):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_commit_alone_and_zero_length_paths(kernels):
     gen = torch.Generator().manual_seed(7)
     S_total, P = 5, 8
     cache = _state_cache(S_total, gen, "vk")
@@ -104,7 +104,7 @@ def test_commit_alone_and_zero_length_paths(impl):
             _, st = gdn_tree_reference(chain, k[:m], k[:m], v[:m], g[:m], beta[:m], cache[s : s + 1])
             expect[s] = st[-1]
     before = cache.clone()
-    gdn_commit_pending(cache, slots, pending, impl=impl)
+    gdn_commit_pending(cache, slots, pending, kernels=kernels)
     assert rel_err(cache, expect) < 1e-4
     assert torch.equal(cache[4], before[4]) and torch.equal(cache[3], before[3]), "length-0 / unused slots untouched"
     assert (pending.length == 0).all()
@@ -116,11 +116,26 @@ def test_torch_closed_form_is_exact_in_float64():
     tree = make_tree_shape("ragged", seed=5)
     q, k, v, g, beta = _inputs(tree.num_nodes, gen, torch.float64)
     cache = torch.randn(tree.num_requests, Hv, K, V, generator=gen, dtype=torch.float64)
-    o = gdn_tree_step(q, k, v, g, beta, tree, cache, torch.arange(tree.num_requests), impl="torch")
+    o = gdn_tree_step(q, k, v, g, beta, tree, cache, torch.arange(tree.num_requests), kernels="torch")
     o_ref, _ = gdn_tree_reference(tree, q, k, v, g, beta, cache)
     assert rel_err(o, o_ref) < 1e-10
 
 
-def test_bad_impl_is_rejected():
-    with pytest.raises(ValueError, match="impl: 'cuda' is not one of"):
-        gdn_tree_step(None, None, None, None, None, None, torch.zeros(1, 1, 1, 1), torch.zeros(1), impl="cuda")
+def test_bad_kernels_is_rejected():
+    with pytest.raises(ValueError, match="kernels: 'cuda' is not one of"):
+        gdn_tree_step(None, None, None, None, None, None, torch.zeros(1, 1, 1, 1), torch.zeros(1), kernels="cuda")
+
+
+def test_legacy_kernel_choice_names_still_work():
+    """Transitional (``vllm_bole.dispatch.takes_legacy_names``): ``impl=`` / ``backend=`` map to
+    ``kernels=`` with a DeprecationWarning until the adapter passes ``kernels=``."""
+    gen = torch.Generator().manual_seed(2)
+    tree = make_tree_shape("chain")
+    q, k, v, g, beta = _inputs(tree.num_nodes, gen)
+    cache = _state_cache(1, gen, "kv")
+    want = gdn_tree_step(q, k, v, g, beta, tree, cache, torch.zeros(1, dtype=torch.int32), kernels="torch")
+    with pytest.warns(DeprecationWarning, match="impl= is now kernels="):
+        got = gdn_tree_step(q, k, v, g, beta, tree, cache, torch.zeros(1, dtype=torch.int32), impl="torch")
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="kernels= only"):
+        gdn_tree_step(q, k, v, g, beta, tree, cache, torch.zeros(1, dtype=torch.int32), impl="torch", kernels="torch")

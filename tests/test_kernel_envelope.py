@@ -12,12 +12,13 @@ counts stay small so each case takes a few seconds in the interpreter.
 import pytest
 import torch
 
-from vllm_bole.mamba import gdn_tree, ssd_tree
+from vllm_bole import gdn
+from vllm_bole.mamba import ssd_tree
 from vllm_bole.spec_decode.tree import TreeBatch
-from vllm_bole.testing.oracles import gdn_tree_reference, random_tree, ssd_tree_reference
+from vllm_bole.testing.oracles import deepest_accepted_paths, gdn_tree_reference, random_tree, ssd_tree_reference
 from vllm_bole.testing.stats import rel_err
 
-IMPLS = ["torch", "triton"]
+KERNELS = ["torch", "triton"]
 TOL = 1e-4
 
 
@@ -36,76 +37,67 @@ def _tree(name: str) -> TreeBatch:
 BOUNDARY = ["N64", "N65", "N128", "N129", "N256", "chain63", "chain64", "ragged"]
 
 
-def _deepest(tree):
-    """accepted [B, D + 1] root-first, -1 padded; flat index of each request's deepest node."""
-    cu = tree.cu_nodes.tolist()
-    last = [int(torch.argmax(tree.depth[s:e])) for s, e in zip(cu[:-1], cu[1:])]
-    acc = torch.full((tree.num_requests, tree.max_depth + 1), -1, dtype=torch.int64)
-    for r, node in enumerate(last):
-        path = tree.root_path(r, node)
-        acc[r, : len(path)] = torch.tensor(path)
-    return acc, torch.tensor([c + node for c, node in zip(cu[:-1], last)])
-
-
-def _slots(B, gen):
+def _slot_cache(B, row, dtype, gen):
+    """A random state cache [B + 1, *row] whose unused slot holds NaN, the requests' slots, that slot."""
+    cache = (torch.randn(B + 1, *row, generator=gen) * 0.3).to(dtype)
     slots = torch.randperm(B + 1, generator=gen)[:B].to(torch.int32)
-    return slots, [s for s in range(B + 1) if s not in slots.tolist()]
+    unused = [s for s in range(B + 1) if s not in slots.tolist()]
+    cache[unused] = float("nan")
+    return cache, slots, unused
+
+
+def _errors(out, out_ref, state, slots, unused, states_ref, last):
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    assert torch.isnan(state[unused]).all(), "an unused slot was written"
+    return rel_err(out, out_ref), rel_err(state[slots.long()], states_ref[last])
 
 
 # --------------------------------------------------------------------------------------- GDN
-def _gdn_case(tree, impl, Hk=1, Hv=1, K=64, V=64, dtype=torch.float32, state_dtype=torch.float32, seed=0):
+def _gdn_case(tree, kernels, Hk=1, Hv=1, K=64, V=64, dtype=torch.float32, state_dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     T, B = tree.num_nodes, tree.num_requests
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q, k, v = r(T, Hk, K).to(dtype), r(T, Hk, K).to(dtype), r(T, Hv, V).to(dtype)
     g, beta = -torch.rand(T, Hv, generator=gen) * 0.3, torch.rand(T, Hv, generator=gen)
-    state = (r(B + 1, Hv, K, V) * 0.3).to(state_dtype)
-    slots, unused = _slots(B, gen)
-    state[unused] = float("nan")
+    state, slots, unused = _slot_cache(B, (Hv, K, V), state_dtype, gen)
     o_ref, st = gdn_tree_reference(tree, q, k, v, g, beta, state[slots.long()])
     out = torch.full((T, Hv, V), float("nan"), dtype=dtype)
-    o = gdn_tree_step_(q, k, v, g, beta, tree, state, slots, out, impl)
-    assert o.data_ptr() == out.data_ptr() and torch.isfinite(o).all()
-    acc, last = _deepest(tree)
-    pending = gdn_tree.PendingPath.empty(B + 1, tree.max_depth + 1, Hk, Hv, K, V, dtype=dtype)
-    gdn_tree.stash_accepted_path(pending, slots, tree, acc, k, v, g, beta, impl=impl)
-    gdn_tree.gdn_commit_pending(state, slots, pending, impl=impl)
-    assert torch.isnan(state[unused]).all(), "an unused slot was written"
-    assert state.dtype == state_dtype
-    return rel_err(o, o_ref), rel_err(state[slots.long()], st[last])
+    o = gdn.gdn_tree_step(q, k, v, g, beta, tree, state, slots, out=out, kernels=kernels)
+    assert o.data_ptr() == out.data_ptr() and state.dtype == state_dtype
+    acc, last = deepest_accepted_paths(tree)
+    pending = gdn.PendingPath.empty(B + 1, tree.max_depth + 1, Hk, Hv, K, V, dtype=dtype)
+    gdn.stash_accepted_path(pending, slots, tree, acc, k, v, g, beta, kernels=kernels)
+    gdn.gdn_commit_pending(state, slots, pending, kernels=kernels)
+    return _errors(o, o_ref, state, slots, unused, st, last)
 
 
-def gdn_tree_step_(q, k, v, g, beta, tree, state, slots, out, impl):
-    return gdn_tree.gdn_tree_step(q, k, v, g, beta, tree, state, slots, out=out, impl=impl)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", BOUNDARY)
-def test_gdn_boundary_trees(impl, name):
-    e_out, e_state = _gdn_case(_tree(name), impl, seed=len(name))
+def test_gdn_boundary_trees(kernels, name):
+    e_out, e_state = _gdn_case(_tree(name), kernels, seed=len(name))
     assert e_out < TOL and e_state < TOL
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name,K,V", [("N64", 64, 96), ("N65", 64, 80), ("N129", 32, 96), ("chain64", 256, 256)])
-def test_gdn_head_dims(impl, name, K, V):
+def test_gdn_head_dims(kernels, name, K, V):
     """V a multiple of 16 but not of 64 (every column written), K = 256 (its own block sizes), GQA."""
-    e_out, e_state = _gdn_case(_tree(name), impl, Hk=1, Hv=2 if K < 256 else 1, K=K, V=V, seed=K + V)
+    e_out, e_state = _gdn_case(_tree(name), kernels, Hk=1, Hv=2 if K < 256 else 1, K=K, V=V, seed=K + V)
     assert e_out < TOL and e_state < TOL
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_gdn_bf16_state(impl):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_gdn_bf16_state(kernels):
     """vLLM 0.33 keeps the Qwen3-Next state in the model dtype: fp32 inputs, bf16 state (computed in
     fp32, stored as bf16); the oracle starts from the same bf16 values."""
-    e_out, e_state = _gdn_case(_tree("N65"), impl, state_dtype=torch.bfloat16, seed=5)
+    e_out, e_state = _gdn_case(_tree("N65"), kernels, state_dtype=torch.bfloat16, seed=5)
     assert e_out < TOL and e_state < 1e-2
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_gdn_bf16_inputs_and_state(impl):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_gdn_bf16_inputs_and_state(kernels):
     """bf16 inputs (bf16 operands, emulated exactly in the interpreter) with a bf16 state, blocked tree."""
-    e_out, e_state = _gdn_case(_tree("N129"), impl, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=6)
+    e_out, e_state = _gdn_case(_tree("N129"), kernels, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=6)
     assert e_out < 2e-2 and e_state < 1e-2
 
 
@@ -115,13 +107,13 @@ def test_gdn_refuses_unsupported_dims():
     for K, V, field in ((96, 64, "K=96"), (64, 72, "V=72"), (512, 64, "K=512")):
         q, v = torch.zeros(T, 1, K), torch.zeros(T, 1, V)
         with pytest.raises(ValueError, match=field) as e:
-            gdn_tree.gdn_tree_step(q, q, v, torch.zeros(T, 1), torch.zeros(T, 1), tree, torch.zeros(1, 1, K, V),
-                                   torch.zeros(1, dtype=torch.int32), impl="torch")
+            gdn.gdn_tree_step(q, q, v, torch.zeros(T, 1), torch.zeros(T, 1), tree, torch.zeros(1, 1, K, V),
+                                   torch.zeros(1, dtype=torch.int32), kernels="torch")
         assert "\n" not in str(e.value) and ("16, 32, 64, 128, 256" in str(e.value) or "multiple of 16" in str(e.value))
 
 
 # --------------------------------------------------------------------------------------- SSD
-def _ssd_case(tree, impl, H=2, G=1, P=32, N=16, dtype=torch.float32, state_dtype=torch.float32, seed=0):
+def _ssd_case(tree, kernels, H=2, G=1, P=32, N=16, dtype=torch.float32, state_dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     T, B = tree.num_nodes, tree.num_requests
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -129,44 +121,41 @@ def _ssd_case(tree, impl, H=2, G=1, P=32, N=16, dtype=torch.float32, state_dtype
     Bm, Cm = (r(T, G, N) * 0.3).to(dtype), (r(T, G, N) * 0.3).to(dtype)
     A = -(torch.rand(H, generator=gen) + 0.1)
     kw = dict(D=r(H), dt_bias=r(H) * 0.3, dt_limit=(0.0, 2.0))
-    state = (r(B + 1, H, P, N) * 0.3).to(state_dtype)
-    slots, unused = _slots(B, gen)
-    state[unused] = float("nan")
+    state, slots, unused = _slot_cache(B, (H, P, N), state_dtype, gen)
     y_ref, st = ssd_tree_reference(tree, x, dt, A, Bm, Cm, state[slots.long()], **kw)
     out = torch.full((T, H, P), float("nan"), dtype=dtype)
-    y = ssd_tree.ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, out=out, impl=impl, **kw)
-    assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
-    acc, last = _deepest(tree)
+    y = ssd_tree.ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, out=out, kernels=kernels, **kw)
+    assert y.data_ptr() == out.data_ptr()
+    acc, last = deepest_accepted_paths(tree)
     pending = ssd_tree.PendingPath.empty(B + 1, tree.max_depth + 1, H, G, P, N, dtype=dtype)
-    ssd_tree.stash_accepted_path(pending, slots, tree, acc, x, dt, Bm, impl=impl)
-    ssd_tree.ssd_commit_pending(state, slots, pending, A, dt_bias=kw["dt_bias"], dt_limit=kw["dt_limit"], impl=impl)
-    assert torch.isnan(state[unused]).all(), "an unused slot was written"
-    return rel_err(y, y_ref), rel_err(state[slots.long()], st[last])
+    ssd_tree.stash_accepted_path(pending, slots, tree, acc, x, dt, Bm, kernels=kernels)
+    ssd_tree.ssd_commit_pending(state, slots, pending, A, dt_bias=kw["dt_bias"], dt_limit=kw["dt_limit"], kernels=kernels)
+    return _errors(y, y_ref, state, slots, unused, st, last)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", BOUNDARY)
-def test_ssd_boundary_trees(impl, name):
-    e_out, e_state = _ssd_case(_tree(name), impl, seed=len(name))
+def test_ssd_boundary_trees(kernels, name):
+    e_out, e_state = _ssd_case(_tree(name), kernels, seed=len(name))
     assert e_out < TOL and e_state < TOL
 
 
 SSD_DIMS = [(P, N) for P in (32, 64, 128) for N in (16, 64, 128, 256)]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("P,N", SSD_DIMS)
-def test_ssd_head_dims(impl, P, N):
+def test_ssd_head_dims(kernels, P, N):
     """head_dim x d_state of the shipped models, n_groups 1, 2 or 8 in turn, on a ragged two-block tree."""
     G = (2, 8, 1)[SSD_DIMS.index((P, N)) % 3]
     tree = TreeBatch.from_parents([random_tree(65, max_depth=16, generator=torch.Generator().manual_seed(P + N)), [-1]])
-    e_out, e_state = _ssd_case(tree, impl, H=8 if G == 8 else 2, G=G, P=P, N=N, seed=P * N)
+    e_out, e_state = _ssd_case(tree, kernels, H=8 if G == 8 else 2, G=G, P=P, N=N, seed=P * N)
     assert e_out < TOL and e_state < TOL
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_ssd_bf16_state(impl):
-    e_out, e_state = _ssd_case(_tree("N129"), impl, state_dtype=torch.bfloat16, seed=7)
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_ssd_bf16_state(kernels):
+    e_out, e_state = _ssd_case(_tree("N129"), kernels, state_dtype=torch.bfloat16, seed=7)
     assert e_out < TOL and e_state < 1e-2
 
 
@@ -177,5 +166,5 @@ def test_ssd_refuses_unsupported_dims():
         with pytest.raises(ValueError, match=field) as e:
             ssd_tree.ssd_tree_step(torch.zeros(T, H, P), torch.zeros(T, H), -torch.ones(H), torch.zeros(T, G, N),
                                    torch.zeros(T, G, N), tree, torch.zeros(1, H, P, N), torch.zeros(1, dtype=torch.int32),
-                                   impl="torch")
+                                   kernels="torch")
         assert "\n" not in str(e.value)

@@ -17,7 +17,7 @@ from vllm_bole.mamba.ssd_tree import PendingPath, ssd_commit_pending, ssd_tree_s
 from vllm_bole.testing.oracles import random_accepted_paths, make_tree_shape, random_tree_batch, ssd_tree_reference, strided, tree_shapes
 from vllm_bole.testing.stats import rel_err
 
-IMPLS = ["torch", "triton"]
+KERNELS = ["torch", "triton"]
 H, P, N = 4, 24, 20
 INF = float("inf")
 # name -> (groups, use D, use dt_bias, dt_softplus, dt_limit)
@@ -61,13 +61,13 @@ def _poisoned(*shape):
     return torch.full(shape, float("nan"))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_verify_matches_oracle(impl, shape):
+def test_verify_matches_oracle(kernels, shape):
     variant = _variant(shape)
     G = VARIANTS[variant][0]
     layout = ["pn", "np"][SHAPES.index(shape) // len(VARIANTS) % 2]  # each variant meets both layouts
-    gen = torch.Generator().manual_seed(_seed(impl, shape))
+    gen = torch.Generator().manual_seed(_seed(kernels, shape))
     tree = make_tree_shape(shape, seed=int(torch.randint(1000, (1,), generator=gen)))
     B, T = tree.num_requests, tree.num_nodes
     (x, dt, A, Bm, Cm), kw = _inputs(T, G, gen, variant)
@@ -80,20 +80,20 @@ def test_verify_matches_oracle(impl, shape):
     if layout == "np":  # and inputs as non-contiguous slices, as vLLM's fused projections give them
         x, dt, Bm, Cm = (strided(t) for t in (x, dt, Bm, Cm))
     out = _poisoned(T, H, P)
-    y = ssd_tree_step(x, dt, A, Bm, Cm, tree, cache, slots, out=out, impl=impl, **kw)
+    y = ssd_tree_step(x, dt, A, Bm, Cm, tree, cache, slots, out=out, kernels=kernels, **kw)
     assert y.data_ptr() == out.data_ptr() and y.shape == (T, H, P) and torch.isfinite(y).all()
     assert rel_err(y, y_ref) < 1e-4, variant
     assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0)), "verification alone must not write the state"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("shape", ["chains_batch", "deep16", "ragged", "random"])
-def test_step_commits_previous_path_then_verifies(impl, shape):
+def test_step_commits_previous_path_then_verifies(kernels, shape):
     """Two steps: verify tree 1, accept a random root-to-node path per request, then the fused
     step commits it and verifies tree 2; compare outputs and the final states with the oracle."""
     variant = _variant(shape)
     G = VARIANTS[variant][0]
-    gen = torch.Generator().manual_seed(_seed(impl, shape, "step"))
+    gen = torch.Generator().manual_seed(_seed(kernels, shape, "step"))
     tree1 = make_tree_shape(shape, seed=int(torch.randint(1000, (1,), generator=gen)))
     B = tree1.num_requests
     S_total = B + 2
@@ -106,16 +106,16 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
         buf.fill_(float("nan"))  # rows past each path's length must never be read
     S0 = cache[slots.long()].clone()
     _, st_ref = ssd_tree_reference(tree1, x, dt, A, Bm, Cm, S0, **kw)
-    ssd_tree_step(x, dt, A, Bm, Cm, tree1, cache, slots, pending, impl=impl, **kw)
+    ssd_tree_step(x, dt, A, Bm, Cm, tree1, cache, slots, pending, kernels=kernels, **kw)
     accepted, last = random_accepted_paths(tree1, 17, gen)
-    stash_accepted_path(pending, slots, tree1, accepted, x, dt, Bm, impl=impl)
+    stash_accepted_path(pending, slots, tree1, accepted, x, dt, Bm, kernels=kernels)
     assert pending.length[slots.long()].tolist() == (accepted >= 0).sum(1).tolist()
     S1 = st_ref[last]
     # step 2 on a new tree (root-only requests likely among them): commit + verify in one call
     tree2 = random_tree_batch([int(torch.randint(1, 20, (1,), generator=gen)) for _ in range(B)], generator=gen)
     (x2, dt2, _, B2, C2), _ = _inputs(tree2.num_nodes, G, gen, variant)
     before_untouched = cache[untouched].clone()
-    y2 = ssd_tree_step(x2, dt2, A, B2, C2, tree2, cache, slots, pending, out=_poisoned(tree2.num_nodes, H, P), impl=impl, **kw)
+    y2 = ssd_tree_step(x2, dt2, A, B2, C2, tree2, cache, slots, pending, out=_poisoned(tree2.num_nodes, H, P), kernels=kernels, **kw)
     y2_ref, _ = ssd_tree_reference(tree2, x2, dt2, A, B2, C2, S1, **kw)
     assert rel_err(cache[slots.long()], S1) < 1e-4
     assert rel_err(y2, y2_ref) < 1e-4
@@ -123,8 +123,8 @@ def test_step_commits_previous_path_then_verifies(impl, shape):
     assert (pending.length[slots.long()] == 0).all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_commit_alone_and_zero_length_paths(impl):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_commit_alone_and_zero_length_paths(kernels):
     gen = torch.Generator().manual_seed(7)
     S_total, L, G = 5, 8, 2
     variant = "clamped_noD"
@@ -142,7 +142,7 @@ def test_commit_alone_and_zero_length_paths(impl):
             _, st = ssd_tree_reference(chain, x[:m], dt[:m], A, Bm[:m], Cm[:m], cache[s : s + 1], **kw)
             expect[s] = st[-1]
     before = cache.clone()
-    ssd_commit_pending(cache, slots, pending, A, dt_bias=kw["dt_bias"], dt_softplus=True, dt_limit=kw["dt_limit"], impl=impl)
+    ssd_commit_pending(cache, slots, pending, A, dt_bias=kw["dt_bias"], dt_softplus=True, dt_limit=kw["dt_limit"], kernels=kernels)
     assert rel_err(cache, expect) < 1e-4
     assert torch.equal(cache[4], before[4]) and torch.equal(cache[3], before[3]), "length-0 / unused slots untouched"
     assert (pending.length == 0).all()
@@ -170,15 +170,15 @@ def test_triton_p_tiles(Pw, Nw):
     for r in range(Bq):
         path = tree.root_path(r, int(last[r]))
         accepted[r, : len(path)] = torch.tensor(path)
-    stash_accepted_path(pending, slots, tree, accepted, x, dt, Bm, impl="triton")
+    stash_accepted_path(pending, slots, tree, accepted, x, dt, Bm, kernels="triton")
     triton_launch(None, None, A, None, None, None, state, slots, pending, D, None, True, (0.0, INF), block_p=16)
     assert rel_err(state, st_ref[tree.cu_nodes[:-1].long() + last]) < 1e-4
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_bf16_inputs_step(impl):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_bf16_inputs_step(kernels):
     """16-bit inputs (x, dt, B, C and the pending buffer in bf16, fp32 state): the kernel's
-    bf16-operand path (emulated exactly under the interpreter, see csrc_triton.tree_common.mm)
+    bf16-operand path (emulated exactly under the interpreter, see csrc_triton.tiles.mm)
     with a pending commit folded in. Oracle fed the same bf16 values; y is rounded to bf16."""
     gen = torch.Generator().manual_seed(13)
     G = 2
@@ -194,12 +194,12 @@ def test_bf16_inputs_step(impl):
     for r in range(B):
         path = tree1.root_path(r, int(tree1.nodes_per_request[r]) - 1)[:8]
         accepted[r, : len(path)] = torch.tensor(path)
-    stash_accepted_path(pending, slots, tree1, accepted, x, dt, Bm, impl=impl)
+    stash_accepted_path(pending, slots, tree1, accepted, x, dt, Bm, kernels=kernels)
     last = torch.tensor([int(accepted[r][accepted[r] >= 0][-1]) for r in range(B)])
     S1 = st_ref[tree1.cu_nodes[:-1].long() + last]
     tree2 = random_tree_batch([24, 1, 9, 2, 30], generator=gen)
     (x2, dt2, _, B2, C2), _ = _inputs(tree2.num_nodes, G, gen, "default", torch.bfloat16)
-    y2 = ssd_tree_step(x2, dt2, A, B2, C2, tree2, cache, slots, pending, impl=impl, **kw)
+    y2 = ssd_tree_step(x2, dt2, A, B2, C2, tree2, cache, slots, pending, kernels=kernels, **kw)
     y2_ref, _ = ssd_tree_reference(tree2, x2, dt2, A, B2, C2, S1, **kw)
     assert y2.dtype == torch.bfloat16
     assert rel_err(cache[slots.long()], S1) < 1e-5
@@ -214,12 +214,12 @@ def test_dt_options_matter():
     (x, dt, A, Bm, Cm), kw = _inputs(tree.num_nodes, 2, gen, "default")
     state = torch.randn(tree.num_requests, H, P, N, generator=gen)
     slots = torch.arange(tree.num_requests)
-    base = ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, impl="torch", **kw)
+    base = ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, kernels="torch", **kw)
     sp = torch.nn.functional.softplus(dt + kw["dt_bias"])
     lo, hi = VARIANTS["clamped_noD"][4]
     assert (sp < lo).any() and (sp > hi).any()
     for change in (dict(dt_limit=(lo, hi)), dict(dt_bias=None), dict(dt_softplus=False), dict(D=None)):
-        y = ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, impl="torch", **{**kw, **change})
+        y = ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, kernels="torch", **{**kw, **change})
         assert rel_err(y, base) > 1e-3, change
 
 
@@ -229,7 +229,7 @@ def test_torch_closed_form_is_exact_in_float64():
     tree = make_tree_shape("ragged", seed=5)
     (x, dt, A, Bm, Cm), kw = _inputs(tree.num_nodes, 2, gen, "clamped_noD", torch.float64)
     cache = torch.randn(tree.num_requests, H, P, N, generator=gen, dtype=torch.float64)
-    y = ssd_tree_step(x, dt, A, Bm, Cm, tree, cache, torch.arange(tree.num_requests), impl="torch", **kw)
+    y = ssd_tree_step(x, dt, A, Bm, Cm, tree, cache, torch.arange(tree.num_requests), kernels="torch", **kw)
     y_ref, _ = ssd_tree_reference(tree, x, dt, A, Bm, Cm, cache, **kw)
     assert rel_err(y, y_ref) < 1e-10
 
@@ -240,13 +240,13 @@ def test_stash_checks_fields_and_length():
     acc = torch.arange(9)[None]
     x, dt, Bm = torch.zeros(9, H, P), torch.zeros(9, H), torch.zeros(9, 2, N)
     with pytest.raises(ValueError, match="paths of up to 9 nodes, pending buffer holds 4"):
-        stash_accepted_path(pending, torch.tensor([1]), tree, acc, x, dt, Bm, impl="torch")
-    from vllm_bole.mamba import tree_common
+        stash_accepted_path(pending, torch.tensor([1]), tree, acc, x, dt, Bm, kernels="torch")
+    from vllm_bole import pending as pending_paths
 
     with pytest.raises(ValueError, match="fields"):
-        tree_common.stash_accepted_path(pending, torch.tensor([1]), tree, acc[:, :4], dict(x=x, dt=dt), impl="torch")
+        pending_paths.stash_accepted_path(pending, torch.tensor([1]), tree, acc[:, :4], dict(x=x, dt=dt), kernels="torch")
 
 
-def test_bad_impl_is_rejected():
-    with pytest.raises(ValueError, match="impl: 'cuda' is not one of"):
-        ssd_tree_step(None, None, None, None, None, None, torch.zeros(1, 1, 1, 1), torch.zeros(1), impl="cuda")
+def test_bad_kernels_is_rejected():
+    with pytest.raises(ValueError, match="kernels: 'cuda' is not one of"):
+        ssd_tree_step(None, None, None, None, None, None, torch.zeros(1, 1, 1, 1), torch.zeros(1), kernels="cuda")

@@ -23,6 +23,7 @@ from vllm_bole.attention import (
     tree_slot_mapping,
     write_tree_kv,
 )
+from vllm_bole.attention.kv_compaction.reference import compaction_reference
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.testing.oracles import (
     attention_tree_reference,
@@ -36,7 +37,7 @@ CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
 RUN_TRITON = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not RUN_TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+KERNELS = ["torch", pytest.param("triton", marks=needs_triton)]
 
 
 # ------------------------------------------------------------------------------------ fixtures
@@ -120,12 +121,12 @@ def _rebuild_views(raws, layout, num_layers, D):
     return [p[0] for p in pairs], [p[1] for p in pairs], raws
 
 
-def _check_attention(case, backend, *, scale=None, tol=2e-5, **kw):
+def _check_attention(case, kernels, *, scale=None, tol=2e-5, **kw):
     q = case["q"]
     out = torch.full_like(q, float("nan"))  # poison: unwritten elements fail
     res = tree_attention(
         q, case["kcs"][0], case["vcs"][0], case["bt"], case["P"], case["tree"],
-        scale=scale, out=out, backend=backend, **kw,
+        scale=scale, out=out, kernels=kernels, **kw,
     )
     assert res is out
     ref = attention_tree_reference(
@@ -158,13 +159,13 @@ def test_positions_and_slot_mapping():
 
 # --------------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("shape", tree_shapes())
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tree_attention_shapes(shape, backend):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_tree_attention_shapes(shape, kernels):
     """Every standard tree family (chains, stars, deep 16, wide, ragged with root-only requests)."""
     tree = make_tree_shape(shape, seed=11)
     layout = "packed" if len(shape) % 2 else "unbind"
     case = make_case(tree, Hq=4, Hkv=2, D=32, layout=layout, seed=len(shape))
-    _check_attention(case, backend)
+    _check_attention(case, kernels)
 
 
 @pytest.mark.parametrize(
@@ -179,15 +180,15 @@ def test_tree_attention_shapes(shape, backend):
         (6, 2, 24, 16, {"block_m": 32, "block_n": 16, "swap": True, "num_splits": 2}),
     ],
 )
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tree_attention_heads_and_tiles(Hq, Hkv, D, bs, kw, backend):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_tree_attention_heads_and_tiles(Hq, Hkv, D, bs, kw, kernels):
     gen = torch.Generator().manual_seed(Hq * 100 + D)
     tree = random_tree_batch([1, 13, 6, 22], kind=["chain", "random", "star", "deep"], generator=gen)
     case = make_case(tree, Hq=Hq, Hkv=Hkv, D=D, bs=bs, layout="packed", seed=D)
     scale = kw.pop("scale", None)
-    if backend == "torch":
+    if kernels == "torch":
         kw = {}
-    _check_attention(case, backend, scale=scale, **kw)
+    _check_attention(case, kernels, scale=scale, **kw)
 
 
 # ---------------------------------------------------------------------------------- compaction
@@ -210,8 +211,8 @@ def _accepted(tree: TreeBatch, modes: list[str], gen: torch.Generator) -> torch.
 
 
 @pytest.mark.parametrize("layout", ["unbind", "packed", "shared"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compaction_matches_autoregressive_cache(layout, backend):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_compaction_matches_autoregressive_cache(layout, kernels):
     gen = torch.Generator().manual_seed(7)
     parents = [random_tree(n, kind=k, generator=gen, max_depth=16)
                for n, k in [(9, "chain"), (1, "chain"), (30, "random"), (17, "deep"), (40, "deep"), (5, "star")]]
@@ -240,7 +241,9 @@ def test_compaction_matches_autoregressive_cache(layout, backend):
             moved += node != j
     assert moved > 5, "the test should move overlapping rows"
     raw_before = [r.cpu().clone() for r in case["raws"]]
-    compact_accepted_kv(case["kcs"], case["vcs"], case["bt"], case["P"], acc.to(DEV), backend=backend)
+    ref = compaction_reference(case["kcs"] + case["vcs"], case["bt"], case["P"], acc)
+    assert all(torch.equal(a, b) for a, b in zip(ref, expected_k + expected_v)), "the sequential reference"
+    compact_accepted_kv(case["kcs"], case["vcs"], case["bt"], case["P"], acc.to(DEV), kernels=kernels)
     for layer in range(L):
         assert torch.equal(case["kcs"][layer].cpu(), expected_k[layer]), f"layer {layer} keys"
         assert torch.equal(case["vcs"][layer].cpu(), expected_v[layer]), f"layer {layer} values"
@@ -249,36 +252,36 @@ def test_compaction_matches_autoregressive_cache(layout, backend):
     assert changed <= moved * 2 * L * case["kcs"][0].shape[2] * case["kcs"][0].shape[3]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compaction_then_attention_equals_chain(backend):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_compaction_then_attention_equals_chain(kernels):
     """After compaction, attending with the accepted path as a chain over the compacted cache
     gives the tree pass's outputs for those nodes (what the next AR step would see)."""
     gen = torch.Generator().manual_seed(21)
     tree = random_tree_batch([12, 25, 1], kind=["random", "deep", "chain"], generator=gen)
     case = make_case(tree, Hq=4, Hkv=2, D=32, layout="unbind", seed=9)
     q = case["q"]
-    out_tree = tree_attention(q, case["kcs"][0], case["vcs"][0], case["bt"], case["P"], case["tree"], backend=backend)
+    out_tree = tree_attention(q, case["kcs"][0], case["vcs"][0], case["bt"], case["P"], case["tree"], kernels=kernels)
     cu = tree.cu_nodes.tolist()
     last = torch.tensor([e - s - 1 for s, e in zip(cu[:-1], cu[1:])])  # path to the last node: moves rows
     acc = accepted_path(tree, last)
-    compact_accepted_kv(case["kcs"], case["vcs"], case["bt"], case["P"], acc.to(DEV), backend=backend)
+    compact_accepted_kv(case["kcs"], case["vcs"], case["bt"], case["P"], acc.to(DEV), kernels=kernels)
     paths = [[x for x in row if x >= 0] for row in acc.tolist()]
     assert any(p != list(range(len(p))) for p in paths)
     chain = TreeBatch.from_parents([list(range(-1, len(p) - 1)) for p in paths])
     flat = torch.tensor([cu[b] + x for b, p in enumerate(paths) for x in p])
     out_chain = tree_attention(
         q[flat.to(q.device)].contiguous(), case["kcs"][0], case["vcs"][0], case["bt"], case["P"], chain.to(DEV),
-        backend=backend,
+        kernels=kernels,
     )
     torch.testing.assert_close(out_chain.cpu(), out_tree[flat.to(q.device)].cpu(), rtol=1e-5, atol=1e-5)
 
 
-def test_bad_backend_is_rejected():
+def test_bad_kernels_is_rejected():
     tree = TreeBatch.from_parents([[-1, 0]], [[1, 2]])
     cache = torch.zeros(2, 16, 1, 8)
-    with pytest.raises(ValueError, match="backend: 'cuda' is not one of"):
+    with pytest.raises(ValueError, match="kernels: 'cuda' is not one of"):
         tree_attention(torch.zeros(2, 1, 8), cache, cache, torch.zeros(1, 2, dtype=torch.int32),
-                       torch.zeros(1, dtype=torch.int32), tree, backend="cuda")
-    with pytest.raises(ValueError, match="backend: 'cuda' is not one of"):
+                       torch.zeros(1, dtype=torch.int32), tree, kernels="cuda")
+    with pytest.raises(ValueError, match="kernels: 'cuda' is not one of"):
         compact_accepted_kv(cache, cache, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                            torch.tensor([[0, 1]], dtype=torch.int32), backend="cuda")
+                            torch.tensor([[0, 1]], dtype=torch.int32), kernels="cuda")

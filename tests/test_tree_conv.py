@@ -14,11 +14,11 @@ def _cache(S, W, layout, gen):
     return s if layout == "dim_first" else s.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("shape", tree_shapes())
 @pytest.mark.parametrize("W,layout", [(4, "dim_first"), (4, "width_first"), (2, "dim_first"), (3, "width_first")])
-def test_tree_conv_and_commit(impl, shape, W, layout):
-    gen = torch.Generator().manual_seed(hash((impl, shape, W, layout)) % 2**31)
+def test_tree_conv_and_commit(kernels, shape, W, layout):
+    gen = torch.Generator().manual_seed(hash((kernels, shape, W, layout)) % 2**31)
     tree = make_tree_shape(shape, seed=int(torch.randint(100, (1,), generator=gen)))
     B, T = tree.num_requests, tree.num_nodes
     x = torch.randn(T, C, generator=gen)
@@ -28,9 +28,9 @@ def test_tree_conv_and_commit(impl, shape, W, layout):
     cache = _cache(B + 2, W, layout, gen)
     slots = torch.randperm(B + 2, generator=gen)[:B].to(torch.int32)
     y_ref, st_ref = conv_tree_reference(tree, x, weight, cache[slots.long()], bias=bias)
-    y = tree_conv(x, weight, cache, slots, tree, bias=bias, impl=impl)
+    y = tree_conv(x, weight, cache, slots, tree, bias=bias, kernels=kernels)
     assert torch.allclose(y.double(), y_ref, rtol=1e-5, atol=1e-5)
-    y_nob = tree_conv(x, weight, cache, slots, tree, activation=None, impl=impl)
+    y_nob = tree_conv(x, weight, cache, slots, tree, activation=None, kernels=kernels)
     y_nob_ref, _ = conv_tree_reference(tree, x, weight, cache[slots.long()], activation=None)
     assert torch.allclose(y_nob.double(), y_nob_ref, rtol=1e-5, atol=1e-5)
     # accept a random node per request (-1 for one request: its slot must not move)
@@ -38,7 +38,7 @@ def test_tree_conv_and_commit(impl, shape, W, layout):
     if B > 1:
         last[0] = -1
     before = cache.clone()
-    commit_conv_state(cache, slots, tree, last, x, impl=impl)
+    commit_conv_state(cache, slots, tree, last, x, kernels=kernels)
     for r in range(B):
         s = int(slots[r])
         want = before[s] if last[r] < 0 else st_ref[int(tree.cu_nodes[r]) + int(last[r])].float()

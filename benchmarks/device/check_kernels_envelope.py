@@ -40,7 +40,7 @@ from benchmarks.harness import write_results  # noqa: E402
 from vllm_bole.spec_decode.tree import TreeBatch  # noqa: E402
 from vllm_bole.testing import oracles as O  # noqa: E402
 
-KERNELS = dict(impl="triton")
+KERNELS = dict(kernels="triton")
 # dtype -> (outputs, states) bound on the largest per-request relative error. fp32 runs tf32
 # tensor-core products on the GPU (about 1e-3); bf16 operands and bf16 storage about 4e-3.
 TOL = {"float32": (5e-3, 5e-3), "bfloat16": (3e-2, 2e-2), "bfloat16/fp32-state": (3e-2, 5e-3)}
@@ -71,28 +71,26 @@ def per_request_err(x, ref, cu) -> float:
     return max(errs)
 
 
-def deepest_paths(tree: TreeBatch):
-    """accepted [B, D + 1] (root-first local indices, -1 padded), flat index of the last node."""
-    cu = tree.cu_nodes.tolist()
-    last = [int(torch.argmax(tree.depth[s:e])) for s, e in zip(cu[:-1], cu[1:])]
-    acc = torch.full((tree.num_requests, tree.max_depth + 1), -1, dtype=torch.int64)
-    for r, node in enumerate(last):
-        p = tree.root_path(r, node)
-        acc[r, : len(p)] = torch.tensor(p)
-    return acc, torch.tensor([c + node for c, node in zip(cu[:-1], last)])
+def slot_cache(B, row, scale, dtype, gen, dev):
+    """(cache [B + 1, *row] random, slots [B] int32 of the requests, the unused slot), that slot
+    holding NaN: it must never be read or written."""
+    cache = (torch.randn(B + 1, *row, generator=gen) * scale).to(dev, dtype)
+    slots = torch.randperm(B + 1, generator=gen)[:B].to(torch.int32)
+    unused = [s for s in range(B + 1) if s not in slots.tolist()]
+    cache[unused] = float("nan")
+    return cache, slots.to(dev), unused
 
 
-def _slots(B, gen):
-    return torch.randperm(B + 1, generator=gen)[:B].to(torch.int32)
-
-
-def _unused(B, slots):
-    return [s for s in range(B + 1) if s not in slots.tolist()]
+def errors(out, out_ref, tree, cache, slots, unused, states_ref, last):
+    """(outputs' error, the committed slots' error against the reference states at ``last``,
+    whether the unused slot is still NaN)."""
+    err_s = per_request_err(cache[slots.long()], states_ref[last.to(cache.device)], list(range(slots.numel() + 1)))
+    return per_request_err(out, out_ref, tree.cu_nodes.tolist()), err_s, bool(torch.isnan(cache[unused]).all())
 
 
 # --------------------------------------------------------------------------------------- GDN
 def check_gdn(tree, dims, dtype, dev):
-    from vllm_bole.mamba.gdn_tree import PendingPath, gdn_tree_step, stash_accepted_path
+    from vllm_bole.gdn import PendingPath, gdn_tree_step, stash_accepted_path
 
     Hk, Hv, K, V = dims
     dt, sdt = DTYPES[dtype]
@@ -102,19 +100,15 @@ def check_gdn(tree, dims, dtype, dev):
     q, k, v = r(T, Hk, K).to(dt), r(T, Hk, K).to(dt), r(T, Hv, V).to(dt)
     g = -torch.rand(T, Hv, generator=gen).to(dev) * 0.3
     beta = torch.rand(T, Hv, generator=gen).to(dev)
-    state = (r(B + 1, Hv, K, V) * 0.1).to(sdt)
-    slots = _slots(B, gen).to(dev)
-    unused = _unused(B, slots.cpu())
-    state[unused] = float("nan")
-    s0 = state[slots.long()].clone()
-    o = gdn_tree_step(q, k, v, g, beta, tree, state, slots, **KERNELS)
-    o_ref, st = O.gdn_tree_reference(tree, q, k, v, g, beta, s0)
-    acc, last = deepest_paths(tree.to("cpu"))
+    state, slots, unused = slot_cache(B, (Hv, K, V), 0.1, sdt, gen, dev)
+    o_ref, st = O.gdn_tree_reference(tree, q, k, v, g, beta, state[slots.long()])
+    o = torch.full((T, Hv, V), float("nan"), dtype=dt, device=dev)
+    gdn_tree_step(q, k, v, g, beta, tree, state, slots, out=o, **KERNELS)
+    acc, last = O.deepest_accepted_paths(tree.to("cpu"))
     pend = PendingPath.empty(B + 1, tree.max_depth + 1, Hk, Hv, K, V, dtype=dt, device=dev)
     stash_accepted_path(pend, slots, tree, acc.to(dev), k, v, g, beta, **KERNELS)
     gdn_tree_step(None, None, None, None, None, None, state, slots, pend, **KERNELS)
-    err_s = per_request_err(state[slots.long()], st[last.to(dev)], list(range(B + 1)))
-    return per_request_err(o, o_ref, tree.cu_nodes.tolist()), err_s, bool(torch.isnan(state[unused]).all())
+    return errors(o, o_ref, tree, state, slots, unused, st, last)
 
 
 # --------------------------------------------------------------------------------------- SSD
@@ -130,20 +124,15 @@ def check_ssd(tree, dims, dtype, dev):
     Bm, Cm = (r(T, G, N) * 0.3).to(dt), (r(T, G, N) * 0.3).to(dt)
     A = -(torch.rand(H, generator=gen) + 0.1).to(dev)
     kw = dict(D=r(H), dt_bias=r(H) * 0.3)
-    state = (r(B + 1, H, P, N) * 0.3).to(sdt)
-    slots = _slots(B, gen).to(dev)
-    unused = _unused(B, slots.cpu())
-    state[unused] = float("nan")
-    s0 = state[slots.long()].clone()
-    out = torch.full((T, H, P), float("nan"), dtype=dt, device=dev)
-    y = ssd_tree_step(x, dtr, A, Bm, Cm, tree, state, slots, out=out, **kw, **KERNELS)
-    y_ref, st = O.ssd_tree_reference(tree, x, dtr, A, Bm, Cm, s0, **kw)
-    acc, last = deepest_paths(tree.to("cpu"))
+    state, slots, unused = slot_cache(B, (H, P, N), 0.3, sdt, gen, dev)
+    y_ref, st = O.ssd_tree_reference(tree, x, dtr, A, Bm, Cm, state[slots.long()], **kw)
+    y = torch.full((T, H, P), float("nan"), dtype=dt, device=dev)
+    ssd_tree_step(x, dtr, A, Bm, Cm, tree, state, slots, out=y, **kw, **KERNELS)
+    acc, last = O.deepest_accepted_paths(tree.to("cpu"))
     pend = PendingPath.empty(B + 1, tree.max_depth + 1, H, G, P, N, dtype=dt, device=dev)
     stash_accepted_path(pend, slots, tree, acc.to(dev), x, dtr, Bm, **KERNELS)
     ssd_tree_step(None, None, A, None, None, None, state, slots, pend, dt_bias=kw["dt_bias"], **KERNELS)
-    err_s = per_request_err(state[slots.long()], st[last.to(dev)], list(range(B + 1)))
-    return per_request_err(y, y_ref, tree.cu_nodes.tolist()), err_s, bool(torch.isnan(state[unused]).all())
+    return errors(y, y_ref, tree, state, slots, unused, st, last)
 
 
 # -------------------------------------------------------------------------------------- conv
@@ -156,17 +145,12 @@ def check_conv(tree, dims, dtype, dev):
     T, B = tree.num_nodes, tree.num_requests
     x = torch.randn(T, C, generator=gen).to(dev, dt)
     w, bias = torch.randn(C, W, generator=gen).to(dev, dt), torch.randn(C, generator=gen).to(dev, dt)
-    cs = torch.randn(B + 1, C, W - 1, generator=gen).to(dev, sdt)
-    slots = _slots(B, gen).to(dev)
-    unused = _unused(B, slots.cpu())
-    cs[unused] = float("nan")
+    cs, slots, unused = slot_cache(B, (C, W - 1), 1.0, sdt, gen, dev)
     y = tree_conv(x, w, cs, slots, tree, bias=bias, **KERNELS)
     y_ref, st = O.conv_tree_reference(tree, x, w, cs[slots.long()], bias=bias)
-    _, last = deepest_paths(tree.to("cpu"))
-    last_local = (last - tree.cu_nodes[:-1].cpu().long()).to(dev)
-    commit_conv_state(cs, slots, tree, last_local, x, **KERNELS)
-    err_s = per_request_err(cs[slots.long()], st[last.to(dev)], list(range(B + 1)))
-    return per_request_err(y, y_ref, tree.cu_nodes.tolist()), err_s, bool(torch.isnan(cs[unused]).all())
+    _, last = O.deepest_accepted_paths(tree.to("cpu"))
+    commit_conv_state(cs, slots, tree, (last - tree.cu_nodes[:-1].cpu().long()).to(dev), x, **KERNELS)
+    return errors(y, y_ref, tree, cs, slots, unused, st, last)
 
 
 # --------------------------------------------------------------------------------- attention
@@ -201,11 +185,11 @@ def check_attention(tree, dims, dtype, dev, prefix=300, bs=16):
         kp.append(kc[blk, pos % bs].cpu())
         vp.append(vc[blk, pos % bs].cpu())
     out = torch.full_like(q, float("nan"))
-    tree_attention(q, kc, vc, bt, P, tree, out=out, max_kv_len=int(P.max()) + tree.max_nodes, **_attn_kernels())
+    tree_attention(q, kc, vc, bt, P, tree, out=out, max_kv_len=int(P.max()) + tree.max_nodes, **KERNELS)
     ref = O.attention_tree_reference(tree.to("cpu"), q.cpu(), k.cpu(), v.cpu(), kp, vp)
-    _, last = deepest_paths(tree.to("cpu"))
+    _, last = O.deepest_accepted_paths(tree.to("cpu"))
     acc = accepted_path(tree, (last - tree.cu_nodes[:-1].cpu().long()).to(dev))
-    compact_accepted_kv(kc, vc, bt, P, acc, **_attn_kernels())
+    compact_accepted_kv(kc, vc, bt, P, acc, **KERNELS)
     errs = []
     for b in range(B):  # after compaction: positions P .. P + m - 1 hold the path's K/V
         path = [x for x in acc[b].tolist() if x >= 0]
@@ -214,10 +198,6 @@ def check_attention(tree, dims, dtype, dev, prefix=300, bs=16):
         want = k[int(tree.cu_nodes[b]) + torch.tensor(path, device=dev)]
         errs.append(0.0 if torch.equal(kc[blk, pos % bs], want) else 1.0)
     return per_request_err(out.cpu(), ref, tree.cu_nodes.tolist()), max(errs), True
-
-
-def _attn_kernels():
-    return {"backend": KERNELS["impl"]}
 
 
 # ------------------------------------------------------------------------------------- cases

@@ -11,7 +11,7 @@ CHILD = r"""
 import sys, torch, triton
 sys.path.insert(0, '.')
 from csrc_triton.gdn_tree import gdn_commit, gdn_verify
-from vllm_bole.mamba.gdn_tree import PendingPath
+from vllm_bole.gdn import PendingPath
 from vllm_bole.testing.oracles import gdn_tree_reference, random_tree_batch
 N, nw, br, bv, inv = (int(a) for a in sys.argv[1:6])
 B, Hk, Hv, K, V, P = 32, 16, 32, 128, 128, 17

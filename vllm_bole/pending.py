@@ -1,21 +1,22 @@
-"""Plumbing shared by the recurrent tree layers (Gated DeltaNet, Mamba2/SSD).
+"""Accepted paths awaiting commit, shared by the recurrent tree layers (GDN, Mamba2/SSD).
 
 * ``PendingPath``: per-slot accepted paths awaiting commit. A buffer of named per-token fields
   (each ``[S, L, *row]``: slot, path position, one token's inputs of the layer) plus
   ``length [S]`` int32 (0 = nothing pending). Each layer kind subclasses it with its fields and
-  an ``empty`` constructor (``vllm_bole.mamba.gdn_tree.PendingPath``: k, v, g, beta;
+  an ``empty`` constructor (``vllm_bole.gdn.PendingPath``: k, v, g, beta;
   ``vllm_bole.mamba.ssd_tree.PendingPath``: x, dt, B). Fields read as attributes
   (``pending.k``).
 * ``stash_accepted_path``: after sampling, copy the accepted nodes' rows of each field into
-  the requests' slots (one Triton launch for all fields, ``csrc_triton.tree_common``, or torch).
-* Torch-twin helpers: the padded per-request view of a ``TreeBatch`` with its ancestor-or-self
-  mask, and the padded view of the live pending paths.
+  the requests' slots: one Triton launch for all fields (``csrc_triton.pending_stash``) or its
+  torch twin, below.
+* ``live_pending`` / ``pending_rows``: the padded view of the live pending paths, for the
+  layers' torch twins.
 """
 from __future__ import annotations
 
 import torch
 
-from vllm_bole.dispatch import use_triton
+from vllm_bole.dispatch import takes_legacy_names, use_triton
 from vllm_bole.spec_decode.tree import TreeBatch
 
 MAX_FIELDS = 4  # fields one stash launch copies (GDN has 4, SSD 3)
@@ -54,7 +55,8 @@ class PendingPath:
         return cls(torch.zeros(num_slots, dtype=torch.int32, device=device), **bufs)
 
 
-def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, inputs: dict, *, impl="auto"):
+@takes_legacy_names
+def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, inputs: dict, *, kernels="auto"):
     """Copy the accepted nodes' inputs into ``pending`` at the requests' slots.
 
     accepted: [B, L] local node indices of each request's accepted path, root first, padded
@@ -69,10 +71,11 @@ def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accept
     if L > pending.max_len:
         raise ValueError(f"accepted: paths of up to {L} nodes, pending buffer holds {pending.max_len}")
     pairs = [(inputs[n].to(buf.dtype).contiguous(), buf) for n, buf in pending.fields.items()]
-    if use_triton(impl, pending.length):
-        from csrc_triton.tree_common import stash_rows
+    if use_triton(kernels, pending.length):
+        from csrc_triton.pending_stash import stash_rows
 
         return stash_rows(pairs, pending.length, state_idx, tree.cu_nodes, accepted.contiguous(), pending.max_len)
+    # torch twin
     valid = accepted >= 0
     flat = torch.where(valid, accepted.long() + tree.cu_nodes[:-1, None].long(), 0)
     slot_rows = state_idx.long()[:, None].expand(B, L)[valid]
@@ -82,28 +85,7 @@ def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accept
     pending.length[state_idx.long()] = valid.sum(1).to(torch.int32)
 
 
-# ------------------------------------------------------------------------- torch-twin helpers
-def padded_tree(tree: TreeBatch):
-    """(idx [B, N] flat node of each padded position (0 in padding), valid [B, N] bool,
-    M [B, N, N] bool ancestor-or-self mask, False on padding rows and columns); N = largest tree."""
-    B, N = tree.num_requests, int(tree.nodes_per_request.max())
-    cu = tree.cu_nodes.long()
-    pos = torch.arange(N, device=cu.device)
-    valid = pos[None, :] < (cu[1:] - cu[:-1])[:, None]
-    idx = torch.where(valid, cu[:-1, None] + pos[None, :], torch.zeros_like(pos)[None, :])
-    path = tree.path.long()[idx]  # [B, N, D + 1]
-    dep = tree.depth.long()[idx]  # [B, N]
-    M = (path.gather(2, dep[:, None, :].expand(B, N, N)) == pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
-    return idx, valid, M
-
-
-def pad_nodes(x, idx, valid, dtype):
-    """[T, H, X] -> [B, H, N, X] (or [T, H] -> [B, H, N]) in ``dtype``, zeros in padding."""
-    y = x[idx].to(dtype)
-    y = torch.where(valid.view(*valid.shape, *([1] * (y.dim() - 2))), y, torch.zeros_like(y))
-    return y.transpose(1, 2)
-
-
+# ------------------------------------------------------------ views for the torch twins
 def live_pending(pending: PendingPath, slots):
     """(sl [b] slots with a pending path, m [b] their lengths, valid [b, L] bool) or None."""
     m = pending.length[slots].long()

@@ -1,7 +1,12 @@
-"""Mamba2 / SSD tree verification and accepted-path commit (engine-agnostic).
+"""Mamba2 / SSD tree verification and accepted-path commit (engine-agnostic): the public API.
+
+One operation, three implementations side by side:
+  csrc_triton/ssd_tree.py                  the Triton kernel (commit + verify in one launch)
+  vllm_bole/mamba/ssd_tree/naive.py        its plain-torch twin (the CPU path)
+  vllm_bole/mamba/ssd_tree/reference.py    the float64 sequential reference (the tests' oracle)
 
 Layouts (T flat tree nodes, B requests, S state slots; the oracle's conventions,
-``vllm_bole.testing.oracles.ssd_tree_reference``):
+``vllm_bole.mamba.ssd_tree.reference``):
   x           [T, H, P]    the SSM input (after the conv), P = head_dim
   dt          [T, H]       raw (before dt_bias, softplus, clamp)
   A           [H]          negative (-exp(A_log)); D, dt_bias [H] or None
@@ -18,10 +23,10 @@ Closed form (no per-node state, nothing to invert): with a_j = dt_j A and G_i th
 the root-to-i path,
   y_i = exp(G_i) h0 C_i + sum_{j in anc*(i)} exp(G_i - G_j) (C_i . B_j) dt_j x_j + D x_i.
 
-Factors and commit, as the GDN layer (``vllm_bole.mamba.gdn_tree``): a verify pass writes no
+Factors and commit, as the GDN layer (``vllm_bole.gdn``): a verify pass writes no
 per-node state. After sampling, ``stash_accepted_path`` copies the accepted path's own inputs
 (x, raw dt, B of the root and the accepted draft nodes: at most depth + 1 tokens, in their input
-dtypes) into a per-slot ``PendingPath`` (the generic buffer of ``vllm_bole.mamba.tree_common``).
+dtypes) into a per-slot ``PendingPath`` (the generic buffer of ``vllm_bole.pending``).
 The next ``ssd_tree_step`` of that slot first applies them,
   h <- exp(G_m) h + sum_{j on path} exp(G_m - G_j) dt_j x_j B_j^T,
 writes the state in place, and verifies the new tree from it while it is still on chip (one
@@ -29,23 +34,22 @@ state read + one write per step). The pending dt goes through the same dt_bias /
 clamp as the step's own dt (per-layer constants). ``ssd_commit_pending`` applies a pending path
 alone (request finishing, preemption).
 
-``impl``: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the CPU path and the
-kernel's twin), "auto" (triton on CUDA tensors, torch otherwise).
+``kernels`` (``vllm_bole.dispatch``): "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch"
+(the twin), "auto" (triton on CUDA tensors, torch otherwise).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from vllm_bole.dispatch import use_triton
-from vllm_bole.mamba import tree_common
-from vllm_bole.mamba.tree_common import live_pending, pad_nodes, padded_tree, pending_rows
+from vllm_bole import pending as _pending
+from vllm_bole.dispatch import takes_legacy_names, use_triton
+from vllm_bole.mamba.ssd_tree.naive import step_torch
 from vllm_bole.spec_decode.tree import TreeBatch
 
 INF = float("inf")
 
 
-class PendingPath(tree_common.PendingPath):
+class PendingPath(_pending.PendingPath):
     """Per-slot accepted paths awaiting commit: the tokens' own SSD inputs, fields
     x [S, L, H, P], dt [S, L, H] (raw), B [S, L, G, N] and length [S] int32 (0 = nothing pending)."""
 
@@ -70,16 +74,17 @@ def check_ssd_dims(H: int, G: int, P: int, N: int) -> None:
         raise ValueError(f"Mamba2 n_groups={G} is not supported: n_groups must divide the {H} heads")
 
 
+@takes_legacy_names
 def ssd_tree_step(
     x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
-    *, D=None, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.0, INF), out=None, impl: str = "auto",
+    *, D=None, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.0, INF), out=None, kernels: str = "auto",
 ):
     """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
 
     Returns y [T, H, P] (written into ``out`` when given; None when ``tree`` is None: commit
     only). Pending lengths of the touched slots are reset to 0.
     """
-    triton = use_triton(impl, state)
+    triton = use_triton(kernels, state)
     if tree is None and pending is None:
         return None
     H, P, N = state.shape[1:]
@@ -93,7 +98,7 @@ def ssd_tree_step(
 
         y = launch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out)
     else:
-        y = _step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit)
+        y = step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit)
         if out is not None and y is not None:
             y = out.copy_(y)
     if pending is not None:
@@ -101,64 +106,20 @@ def ssd_tree_step(
     return y
 
 
-def ssd_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF), impl="auto"):
+@takes_legacy_names
+def ssd_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
+                       kernels="auto"):
     """Apply each slot's pending accepted path to its state in place (no verification)."""
     ssd_tree_step(None, None, A, None, None, None, state, state_idx, pending,
-                  dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, impl=impl)
+                  dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, kernels=kernels)
 
 
-def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, x, dt, B, *, impl="auto"):
+@takes_legacy_names
+def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, x, dt, B, *, kernels="auto"):
     """Copy the accepted nodes' x, raw dt and B into ``pending`` at the requests' slots.
 
     accepted: [B, L] local node indices of each request's accepted path, root first, padded
     with -1 (verification's output); inputs as given to ``ssd_tree_step``. L must not exceed
     the buffer's length. Rows past a path's length keep stale values (readers mask them).
     """
-    tree_common.stash_accepted_path(pending, state_idx, tree, accepted, dict(x=x, dt=dt, B=B), impl=impl)
-
-
-# ---------------------------------------------------------------------- torch twin
-def dt_effective(dt, dt_bias, dt_softplus, dt_limit, dtype):
-    """clamp(softplus(dt + dt_bias) if dt_softplus else dt + dt_bias, *dt_limit) in ``dtype``."""
-    d = dt.to(dtype)
-    if dt_bias is not None:
-        d = d + dt_bias.to(dtype)
-    if dt_softplus:
-        d = F.softplus(d)
-    return d.clamp(min=dt_limit[0], max=dt_limit[1])
-
-
-def _step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit):
-    H = state.shape[1]
-    ft = torch.float64 if state.dtype == torch.float64 else torch.float32
-    A = A.to(ft)[None, :, None]  # [1, H, 1]
-    slots = state_idx.long()
-    heads = lambda t: t.repeat_interleave(H // t.shape[-2], dim=-2)  # noqa: E731  groups -> heads
-    live = live_pending(pending, slots) if pending is not None else None
-    if live is not None:
-        sl, m, valid = live
-        xp = pending_rows(pending.x[sl], valid, ft)  # [b, H, L, P]
-        dtp = pending_rows(dt_effective(pending.dt[sl], dt_bias, dt_softplus, dt_limit, ft), valid, ft)  # [b, H, L]
-        Bp = pending_rows(heads(pending.B[sl].to(ft)), valid, ft)  # [b, H, L, N]
-        Gp = torch.cumsum(dtp * A, -1)
-        Gm = Gp.gather(-1, (m - 1)[:, None, None].expand(-1, H, 1))  # [b, H, 1]
-        w = torch.where(valid[:, None, :], torch.exp(Gm - Gp) * dtp, 0)
-        S = state[sl].to(ft)  # [b, H, P, N]
-        S = torch.exp(Gm)[..., None] * S + (xp * w[..., None]).transpose(-1, -2) @ Bp
-        state[sl] = S.to(state.dtype)
-    if tree is None:
-        return None
-    idx, valid, M = padded_tree(tree)
-    pad = lambda t: pad_nodes(t, idx, valid, ft)  # noqa: E731
-    X = pad(x)  # [B, H, n, P]
-    dtt = pad(dt_effective(dt, dt_bias, dt_softplus, dt_limit, ft))  # [B, H, n]
-    Bt, Ct = pad(heads(B.to(ft))), pad(heads(C.to(ft)))  # [B, H, n, N]
-    Mh = M[:, None]
-    Gt = torch.where(Mh, (dtt * A)[..., None, :], 0).sum(-1)  # [B, H, n]
-    decay = torch.exp(torch.where(Mh, Gt[..., :, None] - Gt[..., None, :], -INF))
-    W = decay * (Ct @ Bt.transpose(-1, -2)) * dtt[..., None, :]
-    S0 = state[slots].to(ft)  # [B, H, P, N]
-    y = torch.exp(Gt)[..., None] * (Ct @ S0.transpose(-1, -2)) + W @ X
-    if D is not None:
-        y = y + D.to(ft)[None, :, None, None] * X
-    return y.transpose(1, 2)[valid].to(x.dtype)
+    _pending.stash_accepted_path(pending, state_idx, tree, accepted, dict(x=x, dt=dt, B=B), kernels=kernels)
