@@ -271,11 +271,9 @@ def _versions() -> dict:
         out["vllm"] = version("vllm")
     except Exception:  # noqa: BLE001
         out["vllm"] = None
-    try:
-        out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                       check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - the device copy of the tree may have no .git
-        out["commit"] = os.environ.get("BOLE_COMMIT")
+    # BOLE_COMMIT first: a snapshot run on the device sits inside a copy whose .git need not be its commit
+    out["commit"] = os.environ.get("BOLE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
     return out
 
 
