@@ -227,8 +227,8 @@ def _checks(model_dir: str) -> dict:
     import torch.nn.functional as F
     import vllm._custom_ops as ops
 
-    from vllm_bole.adapter.layers import CpuPagedView
-    from vllm_bole.mamba import gdn_tree
+    from vllm_bole import gdn
+    from vllm_bole.adapter.layers.cpu_kv_layout import CpuPagedView
     from vllm_bole.spec_decode.tree import TreeBatch
 
     out: dict = {"layouts": [], "gdn": None, "config_errors": {}}
@@ -271,8 +271,8 @@ def _checks(model_dir: str) -> dict:
     beta = torch.sigmoid(b.float())
     tree = TreeBatch.from_parents([[-1]] * B)
     ours_state = state.clone()
-    o = gdn_tree.gdn_tree_step(q[0], k[0], v[0], gg, beta, tree, ours_state.view(S, Hv, K, V), slots.long(), None,
-                               scale=K**-0.5, impl="torch").float()
+    o = gdn.gdn_tree_step(q[0], k[0], v[0], gg, beta, tree, ours_state.view(S, Hv, K, V), slots.long(), None,
+                          scale=K**-0.5, kernels="torch").float()
     out["gdn"] = dict(max_abs_diff=float((o - ref).abs().max()), max_abs=float(ref.abs().max()))
     # configuration errors: LLM(...) fails before an engine starts, naming the field
     from vllm import LLM
@@ -360,9 +360,9 @@ class PluginProbe:
 def _fault_gdn_commit_parent() -> None:
     """GDN states committed from the parent of the accepted leaf (the last accepted token is lost
     from every Gated DeltaNet state; conv states and K/V stay right)."""
-    from vllm_bole.mamba import gdn_tree
+    from vllm_bole import gdn
 
-    orig = gdn_tree.stash_accepted_path
+    orig = gdn.stash_accepted_path
 
     def stash(pending, slots, tree, accepted, *args, **kwargs):
         acc = accepted.clone()
@@ -371,7 +371,7 @@ def _fault_gdn_commit_parent() -> None:
         acc[rows, n[rows] - 1] = -1
         return orig(pending, slots, tree, acc, *args, **kwargs)
 
-    gdn_tree.stash_accepted_path = stash
+    gdn.stash_accepted_path = stash
 
 
 FAULTS = {"gdn_commit_parent": _fault_gdn_commit_parent}

@@ -1,0 +1,103 @@
+"""What the recurrent layer kinds (Mamba2, Gated DeltaNet) share: the conv and recurrent state slots
+of vLLM's cache (one slot per request), the tree conv over ancestor windows, and the per-slot
+pending accepted paths.
+
+After verification, :meth:`RecurrentLayer.commit` rolls the conv state along the accepted path in
+place and stashes the accepted path's own recurrent inputs (at most ``depth + 1`` tokens) into
+``pending``; the request's next tree step folds them into its state (one state read + one write
+per step). Before any other forward could read a state that still has a pending path (the request
+is not verified as a tree this step, finishes, or is preempted), the runner calls :meth:`flush`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
+from vllm_bole.mamba.tree_conv import commit_conv_state, tree_conv
+
+
+def conv_state_view(cache: torch.Tensor) -> torch.Tensor:
+    """The conv state cache as ``[S, C, W-1]`` (oldest first), whatever vLLM's layout."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return cache if is_conv_state_dim_first() else cache.transpose(-1, -2)
+
+
+@dataclass
+class Saved:
+    """A recurrent layer's tree inputs of one step, for its commit."""
+
+    step: TreeStep
+    slots: torch.Tensor  # [Bt] int64 state slots
+    conv_in: torch.Tensor  # [T, C] pre-conv inputs
+    inputs: dict  # the kind's recurrent inputs by name, [T, ...] each
+
+
+class RecurrentLayer:
+    """Base of :class:`~.mamba2.Mamba2Layer` and :class:`~.gdn.GDNLayer`; subclasses give the state
+    view, the pending buffer and the stash / commit of their kind."""
+
+    def __init__(self, name: str, module, group: int, active: ActiveStep, max_path: int):
+        self.name, self.module, self.group, self.active = name, module, group, active
+        self.max_path = max_path  # depth + 1: the longest accepted path (root included)
+        self.pending = None  # allocated on first use (the caches exist by then)
+        self._saved: Saved | None = None
+        self._install()
+
+    # --- subclass hooks
+    def _install(self) -> None:
+        raise NotImplementedError
+
+    def state_view(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _new_pending(self, num_slots: int):
+        raise NotImplementedError
+
+    def _stash(self, saved: Saved, tree, accepted: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _commit_pending(self, slots: torch.Tensor, kernels: str) -> None:
+        raise NotImplementedError
+
+    # --- shared
+    def pending_path(self):
+        if self.pending is None:
+            self.pending = self._new_pending(self.module.kv_cache[1].shape[0])
+        return self.pending
+
+    def conv(self, step: TreeStep, conv_in: torch.Tensor, weight, bias, activation) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree conv of the step's tree tokens (``conv_in`` [T, C]); zeroes the fresh slots' states
+        first. Returns (conv_out [T, C], slots [Bt])."""
+        slots = step.state_slots[self.group]
+        conv_state = conv_state_view(self.module.kv_cache[0])
+        if bool(step.fresh.any()):
+            fresh = slots[step.fresh]
+            conv_state[fresh] = 0
+            self.state_view()[fresh] = 0
+        out = tree_conv(conv_in, weight, conv_state, slots, step.tree, bias=bias, activation=activation,
+                        kernels=step.kernels)
+        return out, slots
+
+    def save(self, step: TreeStep, slots, conv_in, **inputs) -> None:
+        self._saved = Saved(step, slots, conv_in, inputs)
+
+    def commit(self, tree, result) -> None:
+        saved, self._saved = self._saved, None
+        step = saved.step
+        last_local = result.last_node.long() - tree.cu_nodes[:-1].long()
+        commit_conv_state(conv_state_view(self.module.kv_cache[0]), saved.slots, tree, last_local, saved.conv_in,
+                          kernels=step.kernels)
+        accepted = result.accepted_nodes.to(torch.int32)[:, : self.max_path]
+        self._stash(saved, tree, accepted)
+
+    def flush(self, slots: torch.Tensor, kernels: str) -> None:
+        """Commit the pending paths of ``slots`` into their states (nothing verified)."""
+        self._commit_pending(slots, kernels)
+
+    def drop(self, slot: int) -> None:
+        """Forget a finished request's pending path (its slot is free)."""
+        if self.pending is not None:
+            self.pending.length[slot] = 0

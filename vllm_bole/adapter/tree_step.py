@@ -1,0 +1,46 @@
+"""What one forward with trees looks like to the layer overrides (:class:`TreeStep`), and the shared
+slot through which the runner hands it to them (:class:`ActiveStep`).
+
+The persistent batch is ordered plain requests first (prefills, decodes without drafts: vLLM's own
+order), tree requests last. vLLM's attention metadata is built for the plain requests only, so every
+original layer path processes exactly the leading ``tok_start`` tokens and never sees a tree. The
+tree requests' tokens (``tok_start .. tok_start + T``) are the flat nodes of ``tree`` (node ``j``
+of a request = its ``j``-th scheduled token, KV slot ``prefix_len + j``, RoPE position
+``prefix_len + depth``); the overrides compute them from the request's committed state (one state
+slot per request).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_bole.spec_decode.tree import TreeBatch
+
+
+@dataclass
+class TreeStep:
+    """One forward's trees. Tensors live on the model's device."""
+
+    num_plain: int  # plain requests (persistent-batch rows 0 .. num_plain-1)
+    tok_start: int  # first tree token (= tokens of the plain requests)
+    tree: TreeBatch  # the tree requests, rows num_plain .. num_reqs-1
+    prefix_len: torch.Tensor  # [Bt] int64 committed tokens before each root
+    req_ids: list[str]  # [Bt]
+    rows: list[int]  # [Bt] persistent-batch rows
+    block_tables: dict[int, torch.Tensor]  # KV-cache group -> [Bt, max_blocks] int32 (attention groups)
+    state_slots: dict[int, torch.Tensor]  # KV-cache group -> [Bt] int64 (recurrent groups)
+    fresh: torch.Tensor  # [Bt] bool: no committed state yet (prefix_len == 0)
+    chain_len: list[int]  # [Bt] depth of each tree's first-child chain (the drafter's greedy chain)
+    kernels: str = "auto"  # core kernels: auto (Triton on CUDA, torch on CPU), torch, triton
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tree.num_nodes
+
+
+class ActiveStep:
+    """The step the layer overrides see: set by the runner around the forward, None otherwise (then
+    every override runs vLLM's own path unchanged)."""
+
+    step: TreeStep | None = None

@@ -1,0 +1,69 @@
+"""One tree-speculative decode step, written once, engine-agnostic (the vLLM runner calls these; so
+does ``tests/test_decode_step.py`` with a small torch model and the float64 oracles)::
+
+    tree = draft_trees(drafter, roots, histories, depths, budget, max_depth=D)   # 1. drafting
+    drafts = tree.draft_token_ids()           # -> the engine schedules 1 + len(drafts[r]) tokens
+    tree = tree.select(rows, num_nodes)       # next step: the scheduled requests, as scheduled
+    logits = <ONE target forward over tree's flat nodes>                     # 2. the target
+        # positions prefix + depth; every TreeLayer runs its tree form from the committed state
+    res = verify_tree(tree, logits, sampling)                                # 3. verification
+    commit(layers, tree, res)                                                # 4. commit
+        # K/V of the accepted path compacted, conv states rolled, recurrent inputs of the
+        # accepted path stashed (folded into the request's next tree step)
+
+``res.output_token_ids`` are the accepted draft tokens and the bonus token, ``-1`` padded: what a
+chain rejection sampler returns, so an engine's bookkeeping of accepted tokens stays unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
+
+import torch
+
+from vllm_bole.spec_decode.best_first import best_first_tree
+from vllm_bole.spec_decode.candidates import Drafter
+from vllm_bole.spec_decode.tree import TreeBatch
+from vllm_bole.spec_decode.verification import VerificationResult, verify_deterministic, verify_greedy
+
+__all__ = ["Sampling", "TreeLayer", "commit", "draft_trees", "verify_tree"]
+
+
+def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequence[int]], depths: Sequence[int],
+                budget: int, *, max_depth: int, top_k: int | None = None) -> TreeBatch:
+    """Best-first trees of ``budget`` draft nodes from the drafter's per-depth candidates; a request
+    with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the last committed tokens."""
+    cands = drafter.propose(histories, depths)
+    return best_first_tree(roots, cands, budget, max_depth=max_depth, top_k=top_k)
+
+
+@dataclass
+class Sampling:
+    """Per-request sampling of the trees' requests, ``[B]`` each (greedy where temperature ~ 0)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # 0 = off
+    top_p: torch.Tensor  # 1 = off
+    min_p: torch.Tensor | None  # None = off for all
+    generators: list  # torch.Generator or None per request
+
+
+def verify_tree(tree: TreeBatch, logits: torch.Tensor, sampling: Sampling | None) -> VerificationResult:
+    """``logits`` [T, V] float32 at every node (constraints applied); ``sampling`` None: all greedy.
+    Lossless: greedy equals plain greedy decoding; sampled requests draw exactly from the target."""
+    if sampling is None:
+        return verify_greedy(tree, logits)
+    return verify_deterministic(tree, logits, temperature=sampling.temperature, top_k=sampling.top_k,
+                                top_p=sampling.top_p, min_p=sampling.min_p, generator=sampling.generators)
+
+
+class TreeLayer(Protocol):
+    """A layer that ran the tree form in the forward and keeps what its commit needs."""
+
+    def commit(self, tree: TreeBatch, result: VerificationResult) -> None:
+        """Make the accepted path the layer's state (in place, for every request of ``tree``)."""
+
+
+def commit(layers: Iterable[TreeLayer], tree: TreeBatch, result: VerificationResult) -> None:
+    for layer in layers:
+        layer.commit(tree, result)
