@@ -209,7 +209,7 @@ def gdn_commit(state, state_idx, pending, use_qk_l2norm, *, block_v=None, block_
 
 
 def gdn_verify(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, out=None, *,
-               block_r=None, block_v=None, num_warps=4, lowp=None, inv_lowp=None):
+               block_r=None, block_v=None, num_warps=None, lowp=None, inv_lowp=None):
     """Launch ``gdn_verify_kernel``; arguments as ``vllm_bole.gdn.gdn_tree_step``.
     Returns o [T, Hv, V] in v's dtype (``out`` if given: contiguous).
 
@@ -218,6 +218,7 @@ def gdn_verify(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, o
     the fastest correct config of the H200 probe at 64 nodes (benchmarks/device/
     probe_gdn_configs.py; BV = 32 with bf16 operands hit an illegal access in Triton 3.6).
     ``lowp`` (bf16 operands) defaults to 16-bit inputs, ``inv_lowp`` (bf16 inverse) to ``lowp``.
+    Warps: 4 for one block, 8 for the blocked form (fewer spills: benchmarks/device/probe_kernel_smem.py).
     """
     import torch
 
@@ -243,6 +244,6 @@ def gdn_verify(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, o
         state, state_idx, *state.stride(), scale,
         Hk=k.shape[1], Hv=Hv, K=K, V=V, BR=BR, BV=BV, MW=tree.anc_mask.shape[1], MULTI=multi,
         USE_L2NORM=use_qk_l2norm, LOWP=bool(lowp), EMUL=INTERPRET, INV_LOWP=bool(inv_lowp),
-        num_warps=num_warps, num_stages=1,
+        num_warps=num_warps or (8 if multi else 4), num_stages=1,
     )
     return o

@@ -180,15 +180,15 @@ def ssd_tree_step_kernel(
 
 
 def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out=None,
-                  *, block_p=None, block_r=None, num_warps=4, num_stages=1, lowp=None):
+                  *, block_p=None, block_r=None, num_warps=None, num_stages=1, lowp=None):
     """Launch ``ssd_tree_step_kernel``; arguments as ``vllm_bole.mamba.ssd_tree.ssd_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
     Returns y [T, H, P] in x's dtype (``out`` if given; None without a tree).
     Defaults: BP = 64 (32 when d_state > 128); trees of up to 64 nodes (32 when d_state > 128)
     are one block of that size rounded up to a power of two (>= 16), larger trees run blocks of
-    BR = 32; pending paths in chunks of 32 tokens (16 for paths of <= 16). ``lowp`` (bf16
-    operands) defaults to 16-bit inputs.
+    BR = 32 with 8 warps (4 for one block); pending paths in chunks of 32 tokens (16 for paths of
+    <= 16). ``lowp`` (bf16 operands) defaults to 16-bit inputs.
     """
     import torch
 
@@ -237,6 +237,6 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
         H=H, G=G, P=P, N=N, BR=BR, BP=BP, BN=BN, CP=CP, MW=MW, MULTI=multi, EVEN=P % BP == 0 and BN == N,
         HAS_TREE=tree is not None, HAS_PENDING=pending is not None, HAS_D=D is not None,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), LOWP=bool(lowp), BF16_EMUL=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or (8 if multi else 4), num_stages=num_stages,
     )
     return out

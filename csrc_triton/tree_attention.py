@@ -74,9 +74,11 @@ def _dmask(HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
 def _outer(row_vec, col_vec, SWAP: tl.constexpr):
     """(row_vec[:, None], col_vec[None, :]) in the tile's orientation: [rows = query x head,
     cols = keys or head dim] normally, transposed when SWAP."""
-    if SWAP:
-        return row_vec[None, :], col_vec[:, None]
-    return row_vec[:, None], col_vec[None, :]
+    if SWAP:  # one return: Triton checks every return of a function against the others
+        r, c = row_vec[None, :], col_vec[:, None]
+    else:
+        r, c = row_vec[:, None], col_vec[None, :]
+    return r, c
 
 
 @triton.jit

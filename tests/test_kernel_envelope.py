@@ -24,10 +24,10 @@ TOL = 1e-4
 
 def _tree(name: str) -> TreeBatch:
     gen = torch.Generator().manual_seed(len(name))
-    rnd = lambda n, d=16: random_tree(n, max_depth=d, generator=gen)  # noqa: E731
+    rnd = lambda n, d=16, kind="random": random_tree(n, max_depth=d, kind=kind, generator=gen)  # noqa: E731
     chain = lambda n: list(range(-1, n - 1))  # noqa: E731
     parents = {
-        "N64": [rnd(64)], "N65": [rnd(65)], "N128": [rnd(128, 40)], "N129": [rnd(129)], "N256": [rnd(256, 64)],
+        "N64": [rnd(64)], "N65": [rnd(65)], "N128": [rnd(128, 40)], "N129": [rnd(129)], "N256": [rnd(256, 64, "deep")],
         "chain63": [chain(64)], "chain64": [chain(65)],
         "ragged": [[-1], rnd(129, 24), [-1], chain(40), rnd(7)],  # root-only requests, three block counts
     }[name]

