@@ -24,7 +24,6 @@ from vllm_bole.spec_decode.offline import (
 )
 from vllm_bole.spec_decode.best_first import best_first_tree
 from vllm_bole.spec_decode.candidates import Candidates
-from vllm_bole.spec_decode.drafters import build_draft_trees
 from vllm_bole.spec_decode.sampling import sample_rows_without_replacement
 from vllm_bole.spec_decode.tree import TreeBatch, TreeError
 from vllm_bole.testing.stats import chi2_pvalue
@@ -505,8 +504,6 @@ def test_runtime_best_first_equals_the_old_dense_path(seed):
         par, tok = tree.request(b)
         assert (par[1:], tok[1:]) == want[b], b
     assert tree.draft_token_ids() == [w[1] for w in want]
-    # the adapter's old entry point gives the same lists
-    assert build_draft_trees(roots.tolist(), cands, budget, max_depth=max_depth, top_k=top_k) == want
     # the tree's path and ancestor mask are the validated ones
     again = TreeBatch.from_flat(tree.parent, tree.token_ids, tree.cu_nodes)
     for f in ("path", "anc_mask", "depth"):

@@ -106,9 +106,6 @@ class HFDraftModel:
             out.tokens[i, : dep[i]], out.probs[i, : dep[i]] = self._propose_one(histories[i], dep[i])
         return out
 
-    # The adapter's name until it calls propose (delete then).
-    candidates_batch = propose
-
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v, t = logits.float().softmax(-1).topk(self.top_k, dim=-1)
         return t, v

@@ -130,6 +130,3 @@ class NgramDrafter:
         out.tokens.view(B * D, K)[grp[keep], rank[keep]] = gtok[keep]
         out.probs.view(B * D, K)[grp[keep], rank[keep]] = gp[keep].float()
         return out
-
-    # The adapter's name until it calls propose (delete then).
-    candidates_batch = propose
