@@ -125,17 +125,3 @@ def test_bad_kernels_is_rejected():
     with pytest.raises(ValueError, match="kernels: 'cuda' is not one of"):
         gdn_tree_step(None, None, None, None, None, None, torch.zeros(1, 1, 1, 1), torch.zeros(1), kernels="cuda")
 
-
-def test_legacy_kernel_choice_names_still_work():
-    """Transitional (``vllm_bole.dispatch.takes_legacy_names``): ``impl=`` / ``backend=`` map to
-    ``kernels=`` with a DeprecationWarning until the adapter passes ``kernels=``."""
-    gen = torch.Generator().manual_seed(2)
-    tree = make_tree_shape("chain")
-    q, k, v, g, beta = _inputs(tree.num_nodes, gen)
-    cache = _state_cache(1, gen, "kv")
-    want = gdn_tree_step(q, k, v, g, beta, tree, cache, torch.zeros(1, dtype=torch.int32), kernels="torch")
-    with pytest.warns(DeprecationWarning, match="impl= is now kernels="):
-        got = gdn_tree_step(q, k, v, g, beta, tree, cache, torch.zeros(1, dtype=torch.int32), impl="torch")
-    assert torch.equal(got, want)
-    with pytest.raises(TypeError, match="kernels= only"):
-        gdn_tree_step(q, k, v, g, beta, tree, cache, torch.zeros(1, dtype=torch.int32), impl="torch", kernels="torch")

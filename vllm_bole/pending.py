@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bole.dispatch import takes_legacy_names, use_triton
+from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.tree import TreeBatch
 
 MAX_FIELDS = 4  # fields one stash launch copies (GDN has 4, SSD 3)
@@ -55,7 +55,6 @@ class PendingPath:
         return cls(torch.zeros(num_slots, dtype=torch.int32, device=device), **bufs)
 
 
-@takes_legacy_names
 def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, inputs: dict, *, kernels="auto"):
     """Copy the accepted nodes' inputs into ``pending`` at the requests' slots.
 

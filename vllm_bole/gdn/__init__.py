@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from vllm_bole import pending as _pending
-from vllm_bole.dispatch import takes_legacy_names, use_triton
+from vllm_bole.dispatch import use_triton
 from vllm_bole.gdn.naive import step_torch
 from vllm_bole.spec_decode.tree import TreeBatch
 
@@ -74,7 +74,6 @@ def _check_triton_dtypes(state, *tensors):
             raise ValueError(f"input dtype {t.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
 
 
-@takes_legacy_names
 def gdn_tree_step(
     q, k, v, g, beta, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
     *, scale: float | None = None, use_qk_l2norm: bool = True, out=None, kernels: str = "auto",
@@ -107,14 +106,12 @@ def gdn_tree_step(
     return o
 
 
-@takes_legacy_names
 def gdn_commit_pending(state, state_idx, pending: PendingPath, *, use_qk_l2norm=True, kernels="auto"):
     """Apply each slot's pending accepted path to its state in place (no verification)."""
     gdn_tree_step(None, None, None, None, None, None, state, state_idx, pending, use_qk_l2norm=use_qk_l2norm,
                   kernels=kernels)
 
 
-@takes_legacy_names
 def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, k, v, g, beta, *, kernels="auto"):
     """Copy the accepted nodes' inputs into ``pending`` at the requests' slots.
 

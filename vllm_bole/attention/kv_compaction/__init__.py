@@ -16,10 +16,9 @@ from typing import Sequence
 import torch
 
 from vllm_bole.attention.kv_compaction.naive import compact_accepted_kv_torch
-from vllm_bole.dispatch import takes_legacy_names, use_triton
+from vllm_bole.dispatch import use_triton
 
 
-@takes_legacy_names
 def compact_accepted_kv(
     key_caches: Sequence[torch.Tensor] | torch.Tensor,
     value_caches: Sequence[torch.Tensor] | torch.Tensor,

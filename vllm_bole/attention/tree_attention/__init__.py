@@ -47,7 +47,7 @@ import torch
 
 from vllm_bole.attention.kv_compaction import compact_accepted_kv, compact_accepted_kv_torch
 from vllm_bole.attention.tree_attention.naive import tree_attention_torch
-from vllm_bole.dispatch import takes_legacy_names, use_triton
+from vllm_bole.dispatch import use_triton
 
 __all__ = [
     "tree_positions",
@@ -111,7 +111,6 @@ def write_tree_kv(
     value_cache[blk, off] = value.to(value_cache.dtype)
 
 
-@takes_legacy_names
 def tree_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from vllm_bole import pending as _pending
-from vllm_bole.dispatch import takes_legacy_names, use_triton
+from vllm_bole.dispatch import use_triton
 from vllm_bole.mamba.ssd_tree.naive import step_torch
 from vllm_bole.spec_decode.tree import TreeBatch
 
@@ -74,7 +74,6 @@ def check_ssd_dims(H: int, G: int, P: int, N: int) -> None:
         raise ValueError(f"Mamba2 n_groups={G} is not supported: n_groups must divide the {H} heads")
 
 
-@takes_legacy_names
 def ssd_tree_step(
     x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
     *, D=None, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.0, INF), out=None, kernels: str = "auto",
@@ -106,7 +105,6 @@ def ssd_tree_step(
     return y
 
 
-@takes_legacy_names
 def ssd_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
                        kernels="auto"):
     """Apply each slot's pending accepted path to its state in place (no verification)."""
@@ -114,7 +112,6 @@ def ssd_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=Non
                   dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, kernels=kernels)
 
 
-@takes_legacy_names
 def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, x, dt, B, *, kernels="auto"):
     """Copy the accepted nodes' x, raw dt and B into ``pending`` at the requests' slots.
 

@@ -19,14 +19,13 @@ last node. ``kernels`` as everywhere (``vllm_bole.dispatch``).
 """
 from __future__ import annotations
 
-from vllm_bole.dispatch import takes_legacy_names, use_triton
+from vllm_bole.dispatch import use_triton
 from vllm_bole.mamba.tree_conv import naive
 from vllm_bole.spec_decode.tree import TreeBatch
 
 ACTIVATIONS = ("silu", None)
 
 
-@takes_legacy_names
 def tree_conv(x, weight, conv_state, state_idx, tree: TreeBatch, *, bias=None, activation="silu", kernels="auto"):
     """y [T, C] (x's dtype) = act(depthwise conv over each node's ancestor window + bias)."""
     if activation not in ACTIVATIONS:
@@ -38,7 +37,6 @@ def tree_conv(x, weight, conv_state, state_idx, tree: TreeBatch, *, bias=None, a
     return naive.tree_conv(x, weight, conv_state, state_idx, tree, bias, activation)
 
 
-@takes_legacy_names
 def commit_conv_state(conv_state, state_idx, tree: TreeBatch, last_node, x, *, kernels="auto"):
     """In place: conv_state[slot] <- last W-1 inputs ending at the accepted path's last node.
 
