@@ -43,5 +43,9 @@ setup(
             "accelerate>=1.15",
         ],
     },
-    entry_points={"vllm.general_plugins": ["vllm_bole = vllm_bole.plugin:register"]},
+    entry_points={
+        "vllm.general_plugins": ["vllm_bole = vllm_bole.plugin:register"],
+        # vllm:bole_* Prometheus series (vllm_bole.adapter.metrics); vLLM loads it in its OpenAI server
+        "vllm.stat_logger_plugins": ["vllm_bole = vllm_bole.adapter.metrics:BoleStatLogger"],
+    },
 )

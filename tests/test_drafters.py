@@ -37,9 +37,9 @@ def tiny(tmp_path_factory, keep_fla_state):
                                                ("granitemoehybrid", False, "past_key_values")])
 def test_batch_equals_one_by_one(tiny, arch, batched, kind):
     g = torch.Generator().manual_seed(7)
-    hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (5, 17, 1, 9, 30)]
+    hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (5, 17, 1, 9, 30, 9, 5)]  # equal lengths: one batch
     hists.append([])
-    depths = [4, 2, 3, 0, 6, 3]  # a zero depth and an empty history: no candidates
+    depths = [4, 2, 3, 0, 6, 2, 5, 3]  # a zero depth and an empty history: no candidates
     before = sys.modules.get("fla", _ABSENT)
     draft = HFDraftModel(str(tiny[arch]), top_k=3)
     assert sys.modules.get("fla", _ABSENT) is before  # FLA hidden only while the model loaded
@@ -51,7 +51,7 @@ def test_batch_equals_one_by_one(tiny, arch, batched, kind):
         if d == 0 or not h:
             assert int(got.depths[b]) == 0
             continue
-        want_t, want_p = draft._propose_one(h, d)
+        want_t, want_p = (x[0] for x in draft._propose_group([h], d))
         assert int(got.depths[b]) == d == want_t.shape[0]
         assert torch.equal(got.tokens[b, :d], want_t)
         assert torch.allclose(got.probs[b, :d], want_p, atol=1e-5)

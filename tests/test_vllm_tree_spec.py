@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import pytest
 
-from engines import (BUDGET, CONSTRAINED, DEPTH, MAX_TOKENS, NUM_SAMPLES, PROMPTS, SAMPLE_TOKENS, SAMPLED,
+from engines import (BUDGET, CONSTRAINED, DEPTH, MAX_TOKENS, NGRAM_ARCHS, NUM_SAMPLES, PROMPTS, SAMPLE_TOKENS, SAMPLED,
                      logprobs_k, spec_config)
-from vllm_bole.testing import engine_run
+from vllm_bole.testing import adapter_checks, engine_run, serve_run
 from vllm_bole.testing.lossless import compare_greedy
-from vllm_bole.testing.stats import chi2_homogeneity_pvalue
+from vllm_bole.testing.stats import sample_homogeneity
 from vllm_bole.testing.tiny_models import ARCHS, checkpoint_dtype
 
-NGRAM_ARCHS = ("llama", "nemotron_h", "qwen3_next")
 
 
 def _check_equal(arch, base, ours):
@@ -90,32 +89,15 @@ def test_bf16_criterion_catches_wrong_gdn_commit(engines, models):
     (``engine_run.FAULTS``), everything else right, must fail it."""
     arch = "qwen3_next"
     base = engines.run(arch, "base")["greedy"]
-    n = 4
-    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch)[:n], MAX_TOKENS,
+    n, k = 4, 40
+    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch)[:n], k,
                                                                      logprobs=logprobs_k(arch))],
                               spec=spec_config("draft_model", models[arch]), fault="gdn_commit_parent")
     ours = r["jobs"][0]
-    verdict = compare_greedy(checkpoint_dtype(arch), {k: base[k][:n] for k in ("tokens", "top", "rescored")}, ours)
+    verdict = compare_greedy(checkpoint_dtype(arch), {f: [x[:k] for x in base[f][:n]] for f in ("tokens", "top", "rescored")},
+                             ours)
     print(verdict.summary())
     assert ours["stats"]["accepted"] > 0 and not verdict.ok
-
-
-def _homogeneity(a: list[list[int]], b: list[list[int]]) -> dict:
-    """p-values of chi-square homogeneity tests: whole continuations, then each position."""
-    import torch
-
-    out = {}
-    keys = [("seq", lambda t: tuple(t))] + [(f"pos{i}", lambda t, i=i: t[i]) for i in range(SAMPLE_TOKENS)]
-    for name, key in keys:
-        cats = sorted({key(t) for t in a} | {key(t) for t in b})
-        ix = {c: i for i, c in enumerate(cats)}
-        ca, cb = torch.zeros(len(cats)), torch.zeros(len(cats))
-        for t in a:
-            ca[ix[key(t)]] += 1
-        for t in b:
-            cb[ix[key(t)]] += 1
-        out[name] = chi2_homogeneity_pvalue(ca, cb)
-    return out
 
 
 @pytest.mark.parametrize("arch", list(SAMPLED))
@@ -123,13 +105,14 @@ def test_sampling_distribution_equal(engines, arch):
     """Tree speculation leaves the sampled distribution unchanged (see the module docstring); the base
     engine also samples at a colder temperature (the power control)."""
     base, ours = engines.run(arch, "base")["sampled"], engines.run(arch, "draft_model")["sampled"]
-    ref, control = base["tokens"][:NUM_SAMPLES], base["tokens"][NUM_SAMPLES:]
+    n = NUM_SAMPLES[arch]
+    ref, control = base["tokens"][:n], base["tokens"][n:]
     assert all(len(t) == SAMPLE_TOKENS for t in ours["tokens"])
-    same, power = _homogeneity(ref, ours["tokens"]), _homogeneity(ref, control)
+    same, power = sample_homogeneity(ref, ours["tokens"]), sample_homogeneity(ref, control)
     st = ours["stats"]
     print(f"{arch}: ours vs non-spec p {same}; colder control p {power}; {st['verified_requests']} trees, "
           f"{st['accepted']} accepted draft tokens")
-    assert st["accepted"] >= NUM_SAMPLES  # most continuations took draft tokens from verified trees
+    assert st["accepted"] >= n  # most continuations took draft tokens from verified trees
     assert min(same.values()) > 1e-4, same  # 6 tests, fixed engine seeds: a false alarm is < 1e-3
     assert min(power.values()) < 1e-6, power
 
@@ -223,7 +206,7 @@ def test_mixed_batch_with_abort(engines, models):
 
 
 def test_adapter_checks_and_config_errors(models):
-    r = engine_run.run_checks(models["llama"])
+    r = adapter_checks.run_checks(models["llama"])
     assert r["layouts"] and all(x["read"] and x["write"] for x in r["layouts"]), r["layouts"]
     assert r["gdn"]["max_abs_diff"] <= 0.01 * r["gdn"]["max_abs"] + 2e-4, r["gdn"]
     errs = r["config_errors"]
@@ -232,6 +215,15 @@ def test_adapter_checks_and_config_errors(models):
     assert "prompt_lookup_num: unknown field" in errs["unknown"] and "allowed fields" in errs["unknown"]
     assert "model: required with drafter 'draft_model'" in errs["draft_model_without_model"]
     assert "worker_cls" in errs["worker_cls"] and "async_scheduling" in errs["async"]
+    assert "num_speculative_tokens: Input should be a valid integer (got '8')" in errs["string_budget"]
+    assert "model: '/nonexistent/draft' is not a model directory" in errs["draft_missing"]
+    assert "model: the draft" in errs["draft_tokenizer"] and "different tokenizer" in errs["draft_tokenizer"]
+    assert "kernels: 'triton' on CPU runs only under TRITON_INTERPRET=1" in errs["triton_cpu"]
+    assert "enable_prefix_caching: True is not supported" in errs["prefix_caching"]
+    assert "compilation_config.cudagraph_mode: FULL" in errs["cudagraph_full"]
+    assert "did you mean 'bole_tree'" in errs["near_miss"]
+    for name, msg in errs.items():  # refused before any engine process started: one line, vLLM's own type aside
+        assert msg is not None and "\n" not in msg.strip() and "Engine core initialization failed" not in msg, name
 
 
 @pytest.mark.parametrize(
@@ -261,17 +253,27 @@ def test_config_accepts_dashes_and_defaults():
     assert is_tree_spec({"method": "bole_tree"}) and not is_tree_spec({"method": "ngram"}) and not is_tree_spec(None)
 
 
+def _metric(lines: list[str], name: str) -> float:
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.split("{")[0].split(" ")[0] == name)
+
+
 def test_vllm_serve_completions(engines, models):
     """vLLM's OpenAI server with ``--speculative-config '{"method": "bole_tree", ...}'`` (engine core
-    and worker in their own processes) answers /v1/completions like non-speculative vLLM, and vLLM's
-    own spec-decode counters see the drafts and the accepted tokens."""
+    and worker in their own processes) answers /v1/completions like non-speculative vLLM and chat
+    requests (the tiny tokenizer's chat template); vLLM's own spec-decode counters see the drafts and
+    the accepted tokens, and the plugin's ``vllm:bole_*`` series are on /metrics."""
     base = engines.run("llama", "base")["greedy"]
-    r = engine_run.serve_completions(models["llama"], engines.prompts("llama"), MAX_TOKENS,
+    r = serve_run.serve_completions(models["llama"], engines.prompts("llama"), MAX_TOKENS, chat=True,
                                      spec=spec_config("draft_model", models["llama"]))
     assert r["tokens"] == base["tokens"], r["log"][-2000:]
-    m = r["spec_metrics"]
-    print(f"serve: {r['seconds']:.0f} s, {m}")
+    m, lines = r["spec_metrics"], r["metrics"]
+    print(f"serve: {r['seconds']:.0f} s, {m}, chat reply {r['chat']!r}")
     assert m["vllm:spec_decode_num_drafts_total"] > 0 and m["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    assert isinstance(r["chat"], str) and r["chat"]
+    trees, accepted = _metric(lines, "vllm:bole_trees_total"), _metric(lines, "vllm:bole_accepted_tokens_total")
+    assert trees > 0 and accepted == m["vllm:spec_decode_num_accepted_tokens_total"], lines
+    assert _metric(lines, "vllm:bole_accepted_tokens_per_tree_count") == trees
+    assert _metric(lines, "vllm:bole_tree_nodes_per_step_sum") == _metric(lines, "vllm:bole_tree_nodes_total") > trees
 
 
 def test_tensor_parallel_2_equals_tp1_and_plugin_in_every_worker(engines, models):
@@ -297,7 +299,7 @@ def test_tensor_parallel_2_equals_tp1_and_plugin_in_every_worker(engines, models
 
 
 def test_plugin_registers_in_ray_actor(models):
-    r = engine_run.run_ray_check(models["llama"])
+    r = adapter_checks.run_ray_check(models["llama"])
     assert r["pid"] != r["driver_pid"] and r["registered"]
     assert r["worker_cls"] == "vllm_bole.adapter.worker.BoleCPUWorker" and r["method"] == "custom_class"
     assert r["num_speculative_tokens"] == 4 and r["tree_config"]["drafter"] == "ngram"

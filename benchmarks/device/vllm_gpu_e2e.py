@@ -45,6 +45,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -53,9 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from vllm_bole.testing import engine_run  # noqa: E402
+from vllm_bole.testing import engine_run, serve_run  # noqa: E402
 from vllm_bole.testing.lossless import compare_greedy  # noqa: E402
-from vllm_bole.testing.stats import chi2_homogeneity_pvalue  # noqa: E402
+from vllm_bole.testing.stats import sample_homogeneity  # noqa: E402
 from vllm_bole.testing.tiny_models import ARCHS, PROMPTS  # noqa: E402
 
 STORE = Path("/tmp/bole_e2e")
@@ -63,14 +64,18 @@ MAX_TOKENS, BUDGET, DEPTH = 128, 8, 4
 CAPTURE = [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 256]
 NUM_SAMPLES, SAMPLE_TOKENS = 800, 5
 SAMPLED = {"llama": dict(temperature=1.0, top_k=4, min_p=0.1), "nemotron_h": dict(temperature=0.8, top_p=0.7)}
-BF16_ARCHS = ("qwen3_next", "nemotron_h")
-MIXED_ARCHS = ("nemotron_h", "qwen3_next")
-CASES = [("float32", False), ("float32", True)]  # (dtype, CUDA graphs) of every architecture
+MIXED_ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2", "llama")  # fp32, CUDA graphs
+# (dtype, CUDA graphs) per part and architecture. Qwen3-Next runs bf16 only: vLLM's FLA chunked GDN
+# prefill (the Triton backend; FlashInfer is not bundled) does not take fp32 inputs.
+PARTS = {"graphs": {"qwen3_next": [("bfloat16", True)], "*": [("float32", True)]},
+         "eager": {"qwen3_next": [("bfloat16", False)], "nemotron_h": [("float32", False), ("bfloat16", True)],
+                   "*": [("float32", False)]}}
+ENGINE_TIMEOUT_S = 400
 
 
 def engine_kwargs(dtype: str, graphs: bool, **kw) -> dict:
     out = dict(dtype=dtype, enforce_eager=not graphs, max_model_len=1024, max_num_seqs=64,
-               gpu_memory_utilization=0.05, kv_cache_memory_bytes=2 << 30,
+               gpu_memory_utilization=0.05, kv_cache_memory_bytes=2 << 30, attention_backend="TRITON_ATTN",
                additional_config={"gdn_prefill_backend": "triton"})
     if graphs:
         out["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE}
@@ -93,42 +98,31 @@ def run(model, jobs, *, spec_cfg=None, dtype="float32", graphs=True, **kw) -> di
     """One engine; an exception becomes {"error": ...} (the matrix never stops on one failure)."""
     try:
         return engine_run.run_engine(model, jobs, spec=spec_cfg, llm_kwargs=engine_kwargs(dtype, graphs, **kw),
-                                     env=engine_env(dtype), timeout=540)
+                                     env=engine_env(dtype), timeout=ENGINE_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - recorded as the row's result
         return dict(error=f"{type(e).__name__}: {e}"[-4000:])
-
-
-def homogeneity(a, b) -> dict:
-    import torch
-
-    out = {}
-    keys = [("seq", tuple)] + [(f"pos{i}", lambda t, i=i: t[i]) for i in range(SAMPLE_TOKENS)]
-    for name, key in keys:
-        cats = sorted({key(t) for t in a} | {key(t) for t in b})
-        ix = {c: i for i, c in enumerate(cats)}
-        ca, cb = torch.zeros(len(cats)), torch.zeros(len(cats))
-        for t in a:
-            ca[ix[key(t)]] += 1
-        for t in b:
-            cb[ix[key(t)]] += 1
-        out[name] = chi2_homogeneity_pvalue(ca, cb)
-    return out
 
 
 def _chain_all_accepted(stats) -> bool:
     return all(acc == chain for _, chain, acc in stats["accept_log"])
 
 
-def arch_matrix(arch: str, model: Path) -> dict:
-    """Every row of one architecture (module docstring), engines one after another."""
+def _prompts(model) -> list[list[int]]:
+    """8 prompts of mixed lengths and one of 200 tokens."""
     prompts = engine_run.prompt_token_ids(model, PROMPTS + (" ".join(PROMPTS) * 3,))
     prompts[-1] = prompts[-1][:200]
+    return prompts
+
+
+def arch_matrix(arch: str, model: Path, cases: list) -> dict:
+    """Every row of one architecture for ``cases`` [(dtype, cuda_graphs)] (module docstring), engines
+    one after another; each row is saved as soon as it is known."""
+    prompts = _prompts(model)
     rows, extra = [], {}
-    cases = CASES + ([("bfloat16", True)] if arch in BF16_ARCHS and len(CASES) > 1 else [])
     for dtype, graphs in cases:
         bf16 = dtype == "bfloat16"
         k = 10 if bf16 else 2
-        sampled = arch in SAMPLED and dtype == "float32" and graphs == CASES[-1][1]
+        sampled = arch in SAMPLED and dtype == "float32" and graphs
         sp = dict(SAMPLED.get(arch, {}), max_tokens=SAMPLE_TOKENS)
         base_jobs = [engine_run.generate_job(prompts, MAX_TOKENS, logprobs=k, rescore=k if bf16 else None)]
         if sampled:
@@ -145,7 +139,7 @@ def arch_matrix(arch: str, model: Path) -> dict:
             if "error" in base or "error" in ours:
                 row.update(identical=False, tokens_compared=0, mean_accepted=None, step_ms=None,
                            error=base.get("error") or ours.get("error"))
-                rows.append(row)
+                rows.append(SAVE.row(row))
                 continue
             b, o = base["jobs"][0], ours["jobs"][0]
             v = compare_greedy(dtype, b, o)
@@ -164,14 +158,13 @@ def arch_matrix(arch: str, model: Path) -> dict:
                 row["all_chain_accepted"] = _chain_all_accepted(st)
             if v.problems:
                 row["problems"] = v.problems[:5]
-            rows.append(row)
+            rows.append(SAVE.row(row))
             if sampled and drafter == "draft_model":
                 ref, control = base["jobs"][1]["tokens"][:NUM_SAMPLES], base["jobs"][1]["tokens"][NUM_SAMPLES:]
-                same, power = homogeneity(ref, ours["jobs"][1]["tokens"]), homogeneity(ref, control)
-                extra["sampling"] = dict(arch=arch, params=SAMPLED[arch], samples=NUM_SAMPLES, p_same=same,
-                                         p_colder=power, ok=min(same.values()) > 1e-4 and min(power.values()) < 1e-6)
-    if arch in MIXED_ARCHS:
-        extra["mixed"] = mixed_case(arch, model, prompts)
+                same, power = sample_homogeneity(ref, ours["jobs"][1]["tokens"]), sample_homogeneity(ref, control)
+                extra["sampling"] = SAVE.add("sampling", dict(
+                    arch=arch, params=SAMPLED[arch], samples=NUM_SAMPLES, p_same=same, p_colder=power,
+                    ok=min(same.values()) > 1e-4 and min(power.values()) < 1e-6))
     return dict(rows=rows, **extra)
 
 
@@ -207,23 +200,32 @@ def mixed_case(arch, model, prompts) -> dict:
                 prefill_mixed_tree_steps=st["prefill_mixed_tree_steps"], accepted=st["accepted"])
 
 
-def part_matrix(models: dict) -> dict:
-    with ThreadPoolExecutor(len(models)) as pool:
-        res = dict(zip(models, pool.map(lambda a: arch_matrix(a, models[a]), models)))
-    out = dict(rows=[r for a in models for r in res[a]["rows"]],
-               sampling=[res[a]["sampling"] for a in models if "sampling" in res[a]],
-               mixed=[res[a]["mixed"] for a in models if "mixed" in res[a]])
-    return out
+def part_matrix(part: str, models: dict, soak_s: float | None) -> None:
+    """The architectures in parallel (one thread each, engines one after another within it; the
+    mixed-batch cases and the server in threads of their own in the eager part), and the soak beside
+    them when ``soak_s`` is given. Everything is saved as it finishes (``SAVE``)."""
+    cases = PARTS[part]
+    jobs = [lambda a=a: arch_matrix(a, models[a], cases.get(a, cases["*"])) for a in models]
+    if part == "eager":
+        mixed = [a for a in MIXED_ARCHS if a in models]
+        jobs += [lambda a=a: SAVE.add("mixed", mixed_case(a, models[a], _prompts(models[a]))) for a in mixed]
+        if "llama" in models:
+            jobs.append(lambda: SAVE.set("serve", serve_case(models["llama"])))
+    if soak_s is not None:
+        jobs.append(lambda: part_soak(models, soak_s))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for f in [pool.submit(j) for j in jobs]:
+            f.result()
 
 
-def part_soak(models: dict, seconds: float) -> dict:
+def part_soak(models: dict, seconds: float) -> None:
     arch, model = "nemotron_h", models["nemotron_h"]
-    prompts = engine_run.prompt_token_ids(model, PROMPTS + (" ".join(PROMPTS) * 3,))
-    prompts[-1] = prompts[-1][:200]
+    prompts = _prompts(model)
     kw = dict(num_gpu_blocks_override=48, block_size=16)
     ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=spec("ngram", model), **kw)
     if "error" in ours:
-        return dict(soak=dict(ok=False, error=ours["error"]), serve=serve_case(models["llama"]))
+        SAVE.set("soak", dict(ok=False, error=ours["error"]))
+        return
     job = ours["jobs"][0]
     reqs = job["requests"]
     greedy = [r for r in reqs.values() if r["params"]["temperature"] == 0.0 and not r["aborted"]]
@@ -242,16 +244,16 @@ def part_soak(models: dict, seconds: float) -> dict:
     else:
         same = [r["tokens"] == t for r, t in zip(check, alone["jobs"][0]["tokens"])]
         soak.update(greedy_equal=sum(same), ok=all(same) and not errors and (not mem or max(mem) == min(mem)))
-    return dict(soak=soak, serve=serve_case(models["llama"]))
+    SAVE.set("soak", soak)
 
 
 def serve_case(model) -> dict:
     os.environ["TRITON_F32_DEFAULT"] = "ieee"
     prompts = engine_run.prompt_token_ids(model, PROMPTS)
-    args = ["--gpu-memory-utilization", "0.1"]
+    args = ["--gpu-memory-utilization", "0.1", "--attention-backend", "TRITON_ATTN"]
     try:
-        base = engine_run.serve_completions(model, prompts, 64, eager=False, extra_args=args)
-        ours = engine_run.serve_completions(model, prompts, 64, spec=spec("ngram", model), chat=True, eager=False,
+        base = serve_run.serve_completions(model, prompts, 64, eager=False, extra_args=args)
+        ours = serve_run.serve_completions(model, prompts, 64, spec=spec("ngram", model), chat=True, eager=False,
                                             extra_args=args)
     except Exception as e:  # noqa: BLE001
         return dict(ok=False, error=f"{type(e).__name__}: {e}"[-4000:])
@@ -277,11 +279,69 @@ def _versions() -> dict:
     return out
 
 
+class Saver:
+    """The part's results so far, rewritten (with every other part's, and the versions) to
+    ``STORE/<part>.json`` and ``$OUT/vllm_gpu_e2e.json`` whenever something finishes, so a run cut
+    short by its time limit still returns what it measured."""
+
+    def __init__(self):
+        self.lock, self.part, self.data = threading.Lock(), None, {}
+
+    def start(self, part: str, settings: dict) -> None:
+        self.part, self.data = part, dict(rows=[], settings=settings)
+        self.header = _versions()
+        self.write()
+
+    def row(self, row: dict) -> dict:
+        print(_row_line(row), flush=True)
+        return self.add("rows", row)
+
+    def add(self, key: str, value: dict) -> dict:
+        with self.lock:
+            self.data.setdefault(key, []).append(value)
+        self.write()
+        return value
+
+    def set(self, key: str, value) -> None:
+        with self.lock:
+            self.data[key] = value
+        print(key, json.dumps(value)[:1500], flush=True)
+        self.write()
+
+    def write(self) -> None:
+        with self.lock:
+            (STORE / f"{self.part}.json").write_text(json.dumps(self.data))
+            whole = dict(self.header, rows=[], parts={})
+            for part in PARTS:
+                f = STORE / f"{part}.json"
+                if not f.exists():
+                    continue
+                data = json.loads(f.read_text())
+                whole["rows"] += data.pop("rows", [])
+                whole["parts"][part] = {k: data.pop(k) for k in ("settings", "seconds", "error") if k in data}
+                for k, v in data.items():
+                    if isinstance(v, list):
+                        whole.setdefault(k, []).extend(v)
+                    else:
+                        whole[k] = v
+            out = Path(os.environ.get("OUT", "."))
+            (out / "vllm_gpu_e2e.json").write_text(json.dumps(whole, indent=1))
+
+
+SAVE = Saver()
+
+
+def _row_line(r: dict) -> str:
+    return (f"{r['arch']:17s} {r['dtype']:9s} {r['drafter']:12s} graphs={r['cuda_graphs']!s:5s} "
+            f"identical={r['identical']!s:5s} acc={r.get('mean_accepted') or 0:.2f} "
+            f"step={r.get('step_ms') or 0:.2f}ms ar={r.get('ar_step_ms') or 0:.2f}ms {r.get('error', '')[-600:]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=("matrix", "soak"), required=True)
+    ap.add_argument("--part", choices=tuple(PARTS), required=True)
     ap.add_argument("--arch", action="append", choices=ARCHS)
-    ap.add_argument("--soak-seconds", type=float, default=300.0)
+    ap.add_argument("--soak-seconds", type=float, default=None, help="run the soak (and the server) beside")
     ap.add_argument("--quick", action="store_true", help="a few tokens and samples (a dry run of the script)")
     args = ap.parse_args()
     if args.quick:
@@ -289,29 +349,13 @@ def main() -> int:
         MAX_TOKENS, NUM_SAMPLES = 16, 50
     STORE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    models = engine_run.build_models(STORE / "tiny", args.arch)
+    SAVE.start(args.part, dict(max_tokens=MAX_TOKENS, budget=BUDGET, depth=DEPTH, capture_sizes=CAPTURE,
+                               fp32_env=engine_env("float32"), cases=PARTS[args.part], concurrent_engines=True))
     try:
-        res = part_matrix(models) if args.part == "matrix" else part_soak(models, args.soak_seconds)
+        part_matrix(args.part, engine_run.build_models(STORE / "tiny", args.arch), args.soak_seconds)
     except Exception:  # noqa: BLE001 - keep what the part knows
-        res = dict(error=traceback.format_exc()[-4000:])
-    res["seconds"] = time.monotonic() - t0
-    (STORE / f"{args.part}.json").write_text(json.dumps(res))
-    whole = dict(_versions(), settings=dict(max_tokens=MAX_TOKENS, budget=BUDGET, depth=DEPTH,
-                                            capture_sizes=CAPTURE, fp32_env=engine_env("float32")))
-    for part in ("matrix", "soak"):
-        f = STORE / f"{part}.json"
-        if f.exists():
-            whole.update({k if k not in ("seconds", "error") else f"{part}_{k}": v
-                          for k, v in json.loads(f.read_text()).items()})
-    out = Path(os.environ.get("OUT", "."))
-    (out / "vllm_gpu_e2e.json").write_text(json.dumps(whole, indent=1))
-    for r in whole.get("rows", []):
-        print(f"{r['arch']:17s} {r['dtype']:9s} {r['drafter']:12s} graphs={r['cuda_graphs']!s:5s} "
-              f"identical={r['identical']!s:5s} acc={r.get('mean_accepted') or 0:.2f} "
-              f"step={r.get('step_ms') or 0:.2f}ms ar={r.get('ar_step_ms') or 0:.2f}ms {r.get('error', '')[-300:]}")
-    for k in ("sampling", "mixed", "soak", "serve", "matrix_error", "soak_error"):
-        if k in whole:
-            print(k, json.dumps(whole[k])[:1500])
+        SAVE.set("error", traceback.format_exc()[-4000:])
+    SAVE.set("seconds", time.monotonic() - t0)
     return 0
 
 

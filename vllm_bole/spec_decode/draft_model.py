@@ -14,10 +14,12 @@ forward (:attr:`HFDraftModel.cache_kind`, an explicit check, no fallback on erro
   (attention only): all requests run as ONE left-padded batch (padding masked, positions counted
   from each history's start), equal to one request at a time (tested);
 * ``"past_key_values"``: any other cache returned as ``past_key_values`` (hybrid models' caches
-  hold recurrent layers, which padding would enter): request by request;
-* ``"cache_params"``: Mamba-style ``cache_params`` (stepped with ``cache_position``): request by
-  request;
-* ``"none"``: no cache: one full forward per depth.
+  hold recurrent layers, which padding would enter): one unpadded batch per history length;
+* ``"cache_params"``: Mamba-style ``cache_params`` (stepped with ``cache_position``): one unpadded
+  batch per history length;
+* ``"none"``: no cache: one full forward per depth, per history length.
+
+Every form equals drafting one request at a time (tested).
 
 On CPU, transformers would pick flash-linear-attention's Triton kernels whenever it can import
 them (Qwen3-Next, ...), which on CPU need Triton's interpreter. FLA is hidden only while
@@ -95,16 +97,23 @@ class HFDraftModel:
         live = [i for i, d in enumerate(dep) if d > 0 and len(histories[i]) > 0]
         if not live:
             return out
-        if self.cache_kind == "attention":
-            tok, prob = self._propose_padded([histories[i] for i in live], max(dep[i] for i in live))
-            rows = torch.tensor(live)
-            cut = torch.arange(tok.shape[1])[None, :] >= torch.tensor([dep[i] for i in live])[:, None]
-            out.tokens[rows, : tok.shape[1]] = tok.masked_fill(cut[..., None], -1)
-            out.probs[rows, : tok.shape[1]] = prob.masked_fill(cut[..., None], 0.0)
+        if self.cache_kind == "attention":  # one left-padded batch
+            self._fill(out, live, dep, *self._propose_padded([histories[i] for i in live], max(dep[i] for i in live)))
             return out
+        by_len: dict[int, list[int]] = {}  # recurrent caches take no padding: one batch per history length
         for i in live:
-            out.tokens[i, : dep[i]], out.probs[i, : dep[i]] = self._propose_one(histories[i], dep[i])
+            by_len.setdefault(len(histories[i]), []).append(i)
+        for rows in by_len.values():
+            self._fill(out, rows, dep, *self._propose_group([histories[i] for i in rows], max(dep[i] for i in rows)))
         return out
+
+    @staticmethod
+    def _fill(out: Candidates, rows: list[int], dep: list[int], tok: torch.Tensor, prob: torch.Tensor) -> None:
+        """Write ``[n, depth, K]`` proposals of ``rows`` into ``out``, each cut at its own depth."""
+        idx = torch.tensor(rows)
+        cut = torch.arange(tok.shape[1])[None, :] >= torch.tensor([dep[i] for i in rows])[:, None]
+        out.tokens[idx, : tok.shape[1]] = tok.masked_fill(cut[..., None], -1)
+        out.probs[idx, : tok.shape[1]] = prob.masked_fill(cut[..., None], 0.0)
 
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v, t = logits.float().softmax(-1).topk(self.top_k, dim=-1)
@@ -134,25 +143,25 @@ class HFDraftModel:
                              past_key_values=out.past_key_values, use_cache=True)
         return torch.stack(toks, 1).cpu(), torch.stack(probs, 1).cpu()
 
-    def _propose_one(self, history, depth) -> tuple[torch.Tensor, torch.Tensor]:
-        """One request, stepped as its cache kind allows; ``[depth, K]``."""
-        seq = list(history)
-        kind = self.cache_kind
-        out = self.model(input_ids=torch.tensor([seq], dtype=torch.long, device=self.device), use_cache=kind != "none")
+    def _propose_group(self, histories, depth) -> tuple[torch.Tensor, torch.Tensor]:
+        """Histories of one length in one unpadded batch, stepped as the cache kind allows; ``[n, depth, K]``."""
+        seq = torch.tensor([list(h) for h in histories], dtype=torch.long, device=self.device)
+        L, kind = seq.shape[1], self.cache_kind
+        out = self.model(input_ids=seq, use_cache=kind != "none")
         toks, probs = [], []
         for d in range(depth):
-            t, v = self._topk(out.logits[0, -1])
+            t, v = self._topk(out.logits[:, -1])
             toks.append(t)
             probs.append(v)
             if d + 1 == depth:
                 break
-            nxt = t[:1].view(1, 1)
+            nxt = t[:, :1]
             if kind in ("attention", "past_key_values"):
                 out = self.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
             elif kind == "cache_params":
-                pos = torch.tensor([len(history) + d], device=self.device)
+                pos = torch.tensor([L + d], device=self.device)
                 out = self.model(input_ids=nxt, cache_params=out.cache_params, cache_position=pos, use_cache=True)
             else:  # no cache: recompute the whole sequence
-                seq.append(int(t[0]))
-                out = self.model(input_ids=torch.tensor([seq], dtype=torch.long, device=self.device))
-        return torch.stack(toks).cpu(), torch.stack(probs).cpu()
+                seq = torch.cat([seq, nxt], dim=1)
+                out = self.model(input_ids=seq)
+        return torch.stack(toks, 1).cpu(), torch.stack(probs, 1).cpu()

@@ -46,3 +46,20 @@ def chi2_homogeneity_pvalue(counts_a: torch.Tensor, counts_b: torch.Tensor) -> f
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (NaN anywhere gives NaN, which fails every bound)."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def sample_homogeneity(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """Chi-square homogeneity p-values of two samples of equal-length token sequences: on the whole
+    sequences (``"seq"``) and on each position (``"pos<i>"``)."""
+    out = {}
+    keys = [("seq", tuple)] + [(f"pos{i}", lambda t, i=i: t[i]) for i in range(len(a[0]))]
+    for name, key in keys:
+        cats = sorted({key(t) for t in a} | {key(t) for t in b})
+        ix = {c: i for i, c in enumerate(cats)}
+        ca, cb = torch.zeros(len(cats)), torch.zeros(len(cats))
+        for t in a:
+            ca[ix[key(t)]] += 1
+        for t in b:
+            cb[ix[key(t)]] += 1
+        out[name] = chi2_homogeneity_pvalue(ca, cb)
+    return out
