@@ -3,8 +3,8 @@
 Run on the device after the vLLM bundle install (``../shared/tools/vllm-gpu/README.md``), with
 ``PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0`` and the project installed into /tmp/site:
 
-    python3 benchmarks/device/vllm_gpu_e2e.py --part matrix   # greedy identity, sampling, abort + preemption
-    python3 benchmarks/device/vllm_gpu_e2e.py --part soak     # random arrivals/aborts/preemption, >= 5 min; serve
+    python3 benchmarks/device/vllm_gpu_e2e.py --part eager --serve                 # rows, mixed, serve
+    python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-mixed --soak-seconds 300 --prior A.json
 
 Each part stores its result under /tmp/bole_e2e (it survives between runs while the machine stays
 warm) and writes ``$OUT/vllm_gpu_e2e.json`` from every part present, so the last run returns the
@@ -200,17 +200,15 @@ def mixed_case(arch, model, prompts) -> dict:
                 prefill_mixed_tree_steps=st["prefill_mixed_tree_steps"], accepted=st["accepted"])
 
 
-def part_matrix(part: str, models: dict, soak_s: float | None) -> None:
+def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, soak_s: float | None) -> None:
     """The architectures in parallel (one thread each, engines one after another within it; the
-    mixed-batch cases and the server in threads of their own in the eager part), and the soak beside
-    them when ``soak_s`` is given. Everything is saved as it finishes (``SAVE``)."""
+    mixed-batch cases and the server in threads of their own), and the soak beside them when
+    ``soak_s`` is given. Everything is saved as it finishes (``SAVE``)."""
     cases = PARTS[part]
-    jobs = [lambda a=a: arch_matrix(a, models[a], cases.get(a, cases["*"])) for a in models]
-    if part == "eager":
-        mixed = [a for a in MIXED_ARCHS if a in models]
-        jobs += [lambda a=a: SAVE.add("mixed", mixed_case(a, models[a], _prompts(models[a]))) for a in mixed]
-        if "llama" in models:
-            jobs.append(lambda: SAVE.set("serve", serve_case(models["llama"])))
+    jobs = [lambda a=a: arch_matrix(a, models[a], cases.get(a, cases["*"])) for a in archs]
+    jobs += [lambda a=a: SAVE.add("mixed", mixed_case(a, models[a], _prompts(models[a]))) for a in mixed]
+    if serve:
+        jobs.append(lambda: SAVE.set("serve", serve_case(models["llama"])))
     if soak_s is not None:
         jobs.append(lambda: part_soak(models, soak_s))
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -221,7 +219,7 @@ def part_matrix(part: str, models: dict, soak_s: float | None) -> None:
 def part_soak(models: dict, seconds: float) -> None:
     arch, model = "nemotron_h", models["nemotron_h"]
     prompts = _prompts(model)
-    kw = dict(num_gpu_blocks_override=48, block_size=16)
+    kw = dict(num_gpu_blocks_override=64, block_size=16, max_num_seqs=24)  # each sequence holds a Mamba block
     ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=spec("ngram", model), **kw)
     if "error" in ours:
         SAVE.set("soak", dict(ok=False, error=ours["error"]))
@@ -250,7 +248,7 @@ def part_soak(models: dict, seconds: float) -> None:
 def serve_case(model) -> dict:
     os.environ["TRITON_F32_DEFAULT"] = "ieee"
     prompts = engine_run.prompt_token_ids(model, PROMPTS)
-    args = ["--gpu-memory-utilization", "0.1", "--attention-backend", "TRITON_ATTN"]
+    args = ["--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(2 << 30), "--attention-backend", "TRITON_ATTN"]
     try:
         base = serve_run.serve_completions(model, prompts, 64, eager=False, extra_args=args)
         ours = serve_run.serve_completions(model, prompts, 64, spec=spec("ngram", model), chat=True, eager=False,
@@ -291,6 +289,22 @@ class Saver:
         self.part, self.data = part, dict(rows=[], settings=settings)
         self.header = _versions()
         self.write()
+
+    def prior(self, earlier: dict, archs, mixed, serve: bool, soak: bool) -> None:
+        """Keep an earlier run's results (each tagged with its commit) except those this run redoes:
+        rows of ``archs`` with this part's cases, the mixed cases of ``mixed``, serve, soak."""
+        commit, cases = earlier.get("commit"), PARTS[self.part]
+        redo = {(a, dt, g) for a in archs for dt, g in cases.get(a, cases["*"])}
+        for r in earlier.get("rows", []):
+            if (r["arch"], r["dtype"], r["cuda_graphs"]) not in redo:
+                self.data["rows"].append(dict(r, commit=r.get("commit", commit)))
+        for key, arch_key, redone in (("mixed", "arch", mixed), ("sampling", "arch", archs)):
+            self.data.setdefault(key, []).extend(dict(x, commit=x.get("commit", commit)) for x in earlier.get(key, [])
+                                                 if x.get(arch_key) not in redone)
+        for key, redone in (("serve", serve), ("soak", soak)):
+            if key in earlier and not redone:
+                self.data[key] = dict(earlier[key], commit=earlier[key].get("commit", commit))
+        self.data.setdefault("prior_runs", []).append(dict(commit=commit, parts=earlier.get("parts")))
 
     def row(self, row: dict) -> dict:
         print(_row_line(row), flush=True)
@@ -340,7 +354,12 @@ def _row_line(r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=tuple(PARTS), required=True)
-    ap.add_argument("--arch", action="append", choices=ARCHS)
+    ap.add_argument("--arch", action="append", choices=ARCHS, help="matrix rows of these (default: all)")
+    ap.add_argument("--mixed", action="append", choices=ARCHS, help=f"mixed-batch cases (default: {MIXED_ARCHS})")
+    ap.add_argument("--no-mixed", action="store_true")
+    ap.add_argument("--serve", action="store_true", help="vllm serve with and without speculation (Llama)")
+    ap.add_argument("--prior", action="append", default=[], type=Path,
+                    help="an earlier run's vllm_gpu_e2e.json (another warm stay): kept, except what this run redoes")
     ap.add_argument("--soak-seconds", type=float, default=None, help="run the soak (and the server) beside")
     ap.add_argument("--quick", action="store_true", help="a few tokens and samples (a dry run of the script)")
     args = ap.parse_args()
@@ -351,8 +370,15 @@ def main() -> int:
     t0 = time.monotonic()
     SAVE.start(args.part, dict(max_tokens=MAX_TOKENS, budget=BUDGET, depth=DEPTH, capture_sizes=CAPTURE,
                                fp32_env=engine_env("float32"), cases=PARTS[args.part], concurrent_engines=True))
+    archs = args.arch or list(ARCHS)
+    mixed = [] if args.no_mixed else args.mixed or list(MIXED_ARCHS)
+    for f in args.prior:
+        SAVE.prior(json.loads(f.read_text()), archs, mixed, args.serve, args.soak_seconds is not None)
     try:
-        part_matrix(args.part, engine_run.build_models(STORE / "tiny", args.arch), args.soak_seconds)
+        need = set(archs) | set(mixed) | ({"llama"} if args.serve else set()) | (
+            {"nemotron_h"} if args.soak_seconds is not None else set())
+        models = engine_run.build_models(STORE / "tiny", [a for a in ARCHS if a in need])
+        part_matrix(args.part, models, archs, mixed, args.serve, args.soak_seconds)
     except Exception:  # noqa: BLE001 - keep what the part knows
         SAVE.set("error", traceback.format_exc()[-4000:])
     SAVE.set("seconds", time.monotonic() - t0)

@@ -214,6 +214,13 @@ class TreeRunnerMixin:
             g.begin(step)
         return logits_indices, None, max_sampled
 
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        # A tree step is a mixed batch even when every tree is its root alone (one token per request,
+        # which vLLM would take for a uniform decode and replay as a FULL graph, skipping the overrides).
+        if self._bole_step is not None:
+            kwargs["force_uniform_decode"] = False
+        return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
     def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, *args, **kwargs):
         step = self._bole_step
         if step is None or kwargs.get("for_cudagraph_capture"):
