@@ -183,7 +183,10 @@ def _mixed_requests(prompts, abort: bool):
 
 
 def mixed_case(arch, model, prompts) -> dict:
-    kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=24, block_size=16)
+    # 24 blocks of 16 tokens: the longest request (200 + 64 tokens) fits, all of them at once do not;
+    # every sequence also holds one block for its recurrent state, hence max_num_seqs <= 24 too.
+    kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=24, block_size=16,
+              max_model_len=384, max_num_seqs=16)
     base = run(model, [engine_run.mixed_job(_mixed_requests(prompts, False), 64)], **kw)
     ours = run(model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64)], spec_cfg=spec("draft_model", model),
                **kw)
