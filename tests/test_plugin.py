@@ -62,3 +62,24 @@ def test_core_imports_without_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_tree_steps_never_dispatched_as_uniform_decode():
+    """A batch of root-only trees has one token per request, which vLLM takes for a uniform decode
+    and would replay as a FULL CUDA graph without the tree overrides (seen on the H200): the runner
+    forces tree steps to be mixed batches and leaves plain steps to vLLM."""
+    from vllm_bole.adapter.runner import TreeRunnerMixin
+
+    class Base:
+        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *a, force_uniform_decode=None):
+            return force_uniform_decode
+
+    class Runner(TreeRunnerMixin, Base):
+        pass
+
+    r = Runner()
+    r._bole_step = object()
+    assert r._determine_batch_execution_and_padding(4, 4) is False
+    r._bole_step = None
+    assert r._determine_batch_execution_and_padding(4, 4) is None
+    assert r._determine_batch_execution_and_padding(4, 4, force_uniform_decode=True) is True
