@@ -23,21 +23,9 @@ def models(tmp_path_factory):
     return build_models(tmp_path_factory.mktemp("tiny"))
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """Which architectures' shared engine runs the selected tests read (started ahead, see below)."""
-    from vllm_bole.testing.tiny_models import ARCHS
-
-    archs = {getattr(i, "callspec", None) and i.callspec.params.get("arch") for i in items if "engines" in i.fixturenames}
-    config.bole_prefetch = [a for a in ARCHS if a in archs]
-
-
 @pytest.fixture(scope="session")
-def engines(models, request):
-    """The shared engine runs of the engine-level tests (``tests/engines.py``), all started when the
-    first engine test begins, two at a time."""
+def engines(models):
+    """The shared engine runs of the engine-level tests (``tests/engines.py``)."""
     from engines import Engines
 
-    e = Engines(models)
-    e.prefetch(request.config.bole_prefetch)
-    yield e
-    e.close()
+    return Engines(models)

@@ -168,8 +168,8 @@ def test_tree_decode_step_equals_oracle_greedy(oracle, kernels):
     steps = 0
     while min(len(e) for e in emitted) < new:
         decoding = [fed[b] == len(prompts[b]) for b in range(B)]
-        tree = draft_trees(drafter, [h[-1] for h in history], history,
-                           [DEPTH if decoding[b] else 0 for b in range(B)], BUDGET, max_depth=DEPTH)
+        tree, _ = draft_trees(drafter, [h[-1] for h in history], history,
+                              [DEPTH if decoding[b] else 0 for b in range(B)], BUDGET, max_depth=DEPTH)
         x = model.emb[tree.token_ids.clamp(min=0)]
         for layer in layers:
             x = x + layer.forward(tree, x)

@@ -155,17 +155,21 @@ def test_constrained_greedy_equal(engines, arch):
 
 def test_preemption_keeps_outputs(engines, models):
     """A KV cache too small for the batch (12 blocks of 64 attention tokens): vLLM preempts running
-    requests and recomputes them on resumption; every stream still equals non-speculative vLLM."""
+    requests and recomputes them on resumption; every stream still equals non-speculative vLLM. With
+    ``budget: "auto"``: the controller's ragged, timing-dependent budgets change no output."""
     arch = "nemotron_h"
     base = engines.run(arch, "base")["greedy"]
     r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS)],
-                              spec=spec_config("draft_model", models[arch]),
+                              spec=spec_config("draft_model", models[arch], budget="auto", min_budget=1),
                               llm_kwargs=dict(num_gpu_blocks_override=12, block_size=16))
     ours = r["jobs"][0]
     _check_equal(arch, dict(tokens=base["tokens"]), ours)
     st = ours["stats"]
-    print(f"{arch} preemption: {st['resumed_requests']} resumed requests, {st['tree_steps']} tree steps")
+    print(f"{arch} preemption: {st['resumed_requests']} resumed requests, {st['tree_steps']} tree steps; controller: "
+          f"{st['budget_nodes']} nodes in {st['budget_steps']} steps, last {st['budget_last']}, predicted "
+          f"{st['predicted_step_s']:.3f} s / measured {st['measured_step_s']:.3f} s over {st['observed_steps']} steps")
     assert st["resumed_requests"] >= 1
+    assert st["budget_steps"] >= 4 and st["observed_steps"] >= 4 and st["measured_step_s"] > 0
 
 
 def _mixed_requests(prompts, long_prompt, abort: bool):
@@ -190,7 +194,7 @@ def test_mixed_batch_with_abort(engines, models):
     kw = dict(llm_kwargs=dict(max_num_batched_tokens=64, enable_chunked_prefill=True))
     base = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, False), 40)], **kw)
     r = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, True), 40)],
-                              spec=spec_config("draft_model", m), **kw)
+                              spec=spec_config("draft_model", m, budget="auto"), **kw)
     b, o = base["jobs"][0]["outputs"], r["jobs"][0]["outputs"]
     for rid in ("g0", "pen", "long", "g2", "one"):
         assert o[rid]["tokens"] == b[rid]["tokens"], rid
@@ -235,6 +239,11 @@ def test_adapter_checks_and_config_errors(models):
         (dict(drafter="ngram", num_speculative_tokens=4, prompt_lookup_min=5, prompt_lookup_max=2), "prompt_lookup_min: 5"),
         (dict(drafter="ngram", num_speculative_tokens=4, model="x"), "model: only allowed with drafter 'draft_model'"),
         (dict(num_speculative_tokens=4), "drafter: required field missing (allowed values: 'ngram', 'draft_model')"),
+        (dict(drafter="ngram", num_speculative_tokens=4, budget="8"), "budget: got '8'; allowed: 'auto' or an integer"),
+        (dict(drafter="ngram", num_speculative_tokens=4, budget=5), "budget: 5 must be 'auto' or an integer <= num_spec"),
+        (dict(drafter="ngram", num_speculative_tokens=4, eps=-0.5), "eps: Input should be greater than or equal to 0"),
+        (dict(drafter="ngram", num_speculative_tokens=4, min_budget=5), "min_budget: 5 must be <= num_speculative_tokens"),
+        (dict(drafter="ngram", num_speculative_tokens=4, budget=2, eps=0.5), "eps, min_budget: only allowed with budget"),
     ],
 )
 def test_config_validation(cfg, needle):
@@ -250,6 +259,10 @@ def test_config_accepts_dashes_and_defaults():
 
     c = parse_config({"method": "bole_tree", "drafter": "ngram", "num-speculative-tokens": 3})
     assert c.num_speculative_tokens == 3 and c.depth == 3 and c.max_depth == 8
+    assert c.budget == "auto" and c.fixed_budget is None and c.eps == 1.0 and c.min_budget == 0
+    c = parse_config({"method": "bole_tree", "drafter": "ngram", "num_speculative_tokens": 3, "budget": 2})
+    assert c.fixed_budget == 2
+    assert parse_config({"method": "bole_tree", "drafter": "ngram", "num_speculative_tokens": 3, "eps": 2}).eps == 2
     assert is_tree_spec({"method": "bole_tree"}) and not is_tree_spec({"method": "ngram"}) and not is_tree_spec(None)
 
 

@@ -11,9 +11,17 @@ Fields (every other key is refused, with the list of allowed ones):
 * ``method``: ``"bole_tree"`` (selects this plugin; vLLM itself does not know the name).
 * ``drafter``: ``"ngram"`` (prompt lookup over the request's own tokens) or ``"draft_model"`` (a
   separate small model with the target's tokenizer, path in ``model``).
-* ``num_speculative_tokens``: draft-node budget per request and step (the root excluded), 1-255.
+* ``num_speculative_tokens``: the most draft nodes per request and step (the root excluded), 1-255.
   vLLM reserves this many KV slots per request beyond the bonus token; the tree has at most
   ``num_speculative_tokens + 1`` nodes.
+* ``budget``: ``"auto"`` (default: the budget controller, :mod:`vllm_bole.spec_decode.controller`,
+  chooses every step's draft nodes for the whole batch from a cost model of the target step
+  corrected by measured step times, ragged per request, between ``min_budget`` and
+  ``num_speculative_tokens``) or an integer: that many draft nodes for every request, every step
+  (at most ``num_speculative_tokens``).
+* ``eps``: with ``"auto"``, a step's verification may cost at most ``1 + eps`` times a plain
+  decoding step of the same batch (Bole's cap; default 1.0; ``null``: no cap, throughput alone).
+* ``min_budget``: with ``"auto"``, draft nodes every request with candidates gets first (default 0).
 * ``max_depth``: deepest draft node (1-64, default 8; capped at ``num_speculative_tokens``).
 * ``top_k``: candidate children per node considered by the best-first builder (default: the
   budget, which makes the builder exact).
@@ -33,7 +41,7 @@ Errors name the field and its allowed values (:class:`ConfigError`).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -52,6 +60,9 @@ class TreeSpecConfig(BaseModel):
     method: Literal["bole_tree"]
     drafter: Literal["ngram", "draft_model"]
     num_speculative_tokens: int = Field(ge=1, le=MAX_NODES - 1)
+    budget: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_NODES - 1)] = "auto"
+    eps: float | None = Field(default=1.0, ge=0)
+    min_budget: int = Field(default=0, ge=0)
     max_depth: int = Field(default=8, ge=1, le=MAX_DEPTH)
     top_k: int | None = Field(default=None, ge=1)
     model: str | None = None
@@ -66,6 +77,15 @@ class TreeSpecConfig(BaseModel):
             raise ValueError("model: required with drafter 'draft_model' (the draft model's directory or name)")
         if self.drafter == "ngram" and self.model:
             raise ValueError("model: only allowed with drafter 'draft_model' (drafter is 'ngram')")
+        if isinstance(self.budget, int) and self.budget > self.num_speculative_tokens:
+            raise ValueError(f"budget: {self.budget} must be 'auto' or an integer <= num_speculative_tokens "
+                             f"({self.num_speculative_tokens})")
+        if self.min_budget > self.num_speculative_tokens:
+            raise ValueError(f"min_budget: {self.min_budget} must be <= num_speculative_tokens "
+                             f"({self.num_speculative_tokens})")
+        if self.budget != "auto" and ("eps" in self.model_fields_set or "min_budget" in self.model_fields_set):
+            raise ValueError("eps, min_budget: only allowed with budget 'auto' (budget is "
+                             f"{self.budget})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min: {self.prompt_lookup_min} must be <= prompt_lookup_max ({self.prompt_lookup_max})"
@@ -77,8 +97,18 @@ class TreeSpecConfig(BaseModel):
         """Effective maximum depth: a tree of ``budget`` draft nodes is at most that deep."""
         return min(self.max_depth, self.num_speculative_tokens)
 
+    @property
+    def fixed_budget(self) -> int | None:
+        """Draft nodes per request every step, or None when the controller chooses."""
+        return None if self.budget == "auto" else self.budget
+
+
+_UNION_HELP = {"budget": f"allowed: 'auto' or an integer in [1, {MAX_NODES - 1}]"}
+
 
 def _field_help(name: str) -> str:
+    if name in _UNION_HELP:
+        return _UNION_HELP[name]
     f = TreeSpecConfig.model_fields[name]
     ann = f.annotation
     args = getattr(ann, "__args__", None)
@@ -87,7 +117,8 @@ def _field_help(name: str) -> str:
     lo = next((m.ge for m in f.metadata if hasattr(m, "ge")), None)
     hi = next((m.le for m in f.metadata if hasattr(m, "le")), None)
     if lo is not None or hi is not None:
-        return f"allowed: integer in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        kind = "integer" if ann is int else "number"
+        return f"allowed: {kind} in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
     return ""
 
 
@@ -107,6 +138,11 @@ def parse_config(config: dict) -> TreeSpecConfig:
         lines = []
         allowed = ", ".join(TreeSpecConfig.model_fields)
         for err in e.errors():
+            if err["loc"] and err["loc"][0] in _UNION_HELP:  # one line per union field, not per member
+                line = f"{err['loc'][0]}: got {err.get('input')!r}; {_UNION_HELP[err['loc'][0]]}"
+                if line not in lines:
+                    lines.append(line)
+                continue
             loc = ".".join(str(x) for x in err["loc"]) or "config"
             msg = err["msg"]
             if err["type"] == "extra_forbidden":

@@ -88,7 +88,7 @@ def engine_env(dtype: str) -> dict:
 
 
 def spec(drafter: str, model) -> dict:
-    cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=BUDGET, max_depth=DEPTH)
+    cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=BUDGET, budget=BUDGET, max_depth=DEPTH)
     if drafter == "draft_model":
         cfg["model"] = str(model)
     return cfg

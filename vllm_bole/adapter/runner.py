@@ -42,6 +42,7 @@ import time
 import numpy as np
 import torch
 
+from vllm_bole.adapter.budget import StepBudget
 from vllm_bole.adapter.layers import RECURRENT_KINDS, AttentionGroup, AttentionLayer
 from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tree, tree_sampling
 from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
@@ -76,6 +77,7 @@ class TreeRunnerMixin:
         if getattr(self.model_config, "logits_processors", None):
             raise NotImplementedError("vllm-bole tree speculation does not support custom logits processors")
         self._bole_logprobs_mode = logprobs_mode
+        self._bole_budget = StepBudget(config) if config.fixed_budget is None else None
         self._bole_active = ActiveStep()
         self._bole_step: TreeStep | None = None
         self._bole_drafted = None  # (TreeBatch of the last drafts, {req id: row}, flat drafts per row)
@@ -141,9 +143,11 @@ class TreeRunnerMixin:
         kernels = cfg.kernels if cfg.kernels != "auto" else f"auto ({'triton' if dev == 'cuda' else 'torch'})"
         graphs = "off (eager)" if mode is None or mode.name == "NONE" else \
             f"{mode.name} (tree steps: {mode.mixed_mode().name})"
-        logger.info("vllm-bole: method bole_tree active: drafter %s%s, node budget %d, max depth %d, kernels %s, "
+        logger.info("vllm-bole: method bole_tree active: drafter %s%s, node budget %s, max depth %d, kernels %s, "
                     "model runner %s (V1), CUDA graphs %s; tree overrides on %d attention and %d recurrent layers",
-                    cfg.drafter, f" ({cfg.model})" if cfg.model else "", cfg.num_speculative_tokens, cfg.depth,
+                    cfg.drafter, f" ({cfg.model})" if cfg.model else "",
+                    f"{cfg.budget} per request" if cfg.fixed_budget else
+                    f"auto (controller, <= {cfg.num_speculative_tokens} per request, eps {cfg.eps})", cfg.depth,
                     kernels, type(self).__mro__[2].__name__, graphs,
                     sum(len(g.layers) for g in self._bole_attention), sum(map(len, self._bole_recurrent.values())))
 
@@ -190,6 +194,8 @@ class TreeRunnerMixin:
                 pos[a], pos[b] = j, k
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        if self._bole_budget is not None:
+            self._bole_budget.start()
         logits_indices, spec_md, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         assert spec_md is None, "vllm-bole: the model-side config must not carry vLLM's speculative config"
         self._bole_install_layers()
@@ -281,6 +287,9 @@ class TreeRunnerMixin:
         st["accepted"] += sum(acc)
         for r, rid in enumerate(step.req_ids):
             self._bole_accept_log.append((rid, step.chain_len[r], acc[r]))
+        if self._bole_budget is not None:
+            self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
+                                      float(step.prefix_len.sum()))
         return SamplerOutput(sampled_token_ids=grid.to(torch.int32).to(logits.device), logprobs_tensors=logprobs)
 
     def sample_tokens(self, grammar_output):
@@ -289,7 +298,10 @@ class TreeRunnerMixin:
         if state is not None:
             t0 = time.perf_counter()
             self._bole_propose()
-            self._bole_stats["draft_s"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self._bole_stats["draft_s"] += dt
+            if self._bole_budget is not None:
+                self._bole_budget.drafted(dt)
         return out
 
     def take_draft_token_ids(self):
@@ -298,8 +310,11 @@ class TreeRunnerMixin:
 
     def bole_stats(self) -> dict:
         """Counters (steps, tree steps, drafted nodes, accepted nodes) and the per-step log of
-        (request, drafted greedy-chain length, accepted draft nodes)."""
-        return dict(self._bole_stats, accept_log=list(self._bole_accept_log))
+        (request, drafted greedy-chain length, accepted draft nodes); with ``budget: "auto"`` the
+        controller's counters (budget_steps, budget_nodes, budget_last: the latest per-request
+        budgets, observed_steps, predicted_step_s / measured_step_s: sums over observed steps)."""
+        budget = self._bole_budget.stats if self._bole_budget is not None else {}
+        return dict(self._bole_stats, **budget, accept_log=list(self._bole_accept_log))
 
     # ------------------------------------------------------------------ tree step
     def _bole_build_step(self, scheduler_output, num_scheduled_tokens) -> TreeStep | None:
@@ -399,8 +414,12 @@ class TreeRunnerMixin:
             roots.append(int(hist[-1]))
             hists.append(hist.tolist())
             depths.append(max(min(cfg.depth, self.max_model_len - num - 1), 0))
-        tree = draft_trees(self._bole_drafter, roots, hists, depths, cfg.num_speculative_tokens, max_depth=cfg.depth,
-                           top_k=cfg.top_k)
+        budget = self._bole_budget
+        tree, choice = draft_trees(self._bole_drafter, roots, hists, depths, cfg.fixed_budget or cfg.num_speculative_tokens,
+                                   max_depth=cfg.depth, top_k=cfg.top_k, controller=budget and budget.controller(self),
+                                   kv_lens=[len(h) for h in hists])
+        if choice is not None:
+            budget.chosen(choice)
         flat = tree.draft_token_ids()
         self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, flat)
         from vllm.v1.outputs import DraftTokenIds

@@ -47,7 +47,7 @@ import torch
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
 
-__all__ = ["Slots", "best_first_tree", "budgets", "grow"]
+__all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow"]
 
 
 @dataclass
@@ -213,14 +213,29 @@ def best_first_tree(
     top_k: int | None = None,
     total_budget: int | None = None,
 ) -> TreeBatch:
-    """The runtime draft trees: best-first over per-depth candidates (module docstring).
+    """The runtime draft trees: best-first over per-depth candidates (module docstring); the
+    :class:`TreeBatch` of :func:`best_first_slots`."""
+    return best_first_slots(root_tokens, candidates, budget, max_depth=max_depth, top_k=top_k,
+                            total_budget=total_budget).tree()
+
+
+def best_first_slots(
+    root_tokens: Sequence[int] | torch.Tensor,
+    candidates: Candidates,
+    budget,
+    *,
+    max_depth: int | None = None,
+    top_k: int | None = None,
+    total_budget: int | None = None,
+) -> Slots:
+    """Best-first over per-depth candidates (module docstring), as the search's :class:`Slots`.
 
     ``root_tokens [B]``: each request's root (its last committed token). ``candidates``:
     ``[B, D, K]`` from a drafter. ``budget``: draft nodes per request (int, sequence or ``[B]``;
     0: root only). ``max_depth``: default ``D``. ``top_k``: children considered per node (the
     first ``top_k`` candidates of the next depth; default all ``K``). ``total_budget``: optional
-    cap on the draft nodes of the whole batch. Returns a :class:`TreeBatch` on the candidates'
-    device with every request's tree (a request without candidates is its root alone)."""
+    cap on the draft nodes of the whole batch. Every request's tree (a request without candidates
+    is its root alone) on the candidates' device."""
     root = torch.as_tensor(root_tokens, dtype=torch.long).flatten().to(candidates.tokens.device)
     B, D, K = candidates.tokens.shape
     if root.numel() != B or B == 0:
@@ -240,4 +255,4 @@ def best_first_tree(
     def expand(fb, fs, d, _slots):
         return prob[fb, d], tok[fb, d], None
 
-    return grow(root, expand, caps, L, total_budget=total_budget).tree()
+    return grow(root, expand, caps, L, total_budget=total_budget)

@@ -1,7 +1,7 @@
 """One tree-speculative decode step, written once, engine-agnostic (the vLLM runner calls these; so
 does ``tests/test_decode_step.py`` with a small torch model and the float64 oracles)::
 
-    tree = draft_trees(drafter, roots, histories, depths, budget, max_depth=D)   # 1. drafting
+    tree, _ = draft_trees(drafter, roots, histories, depths, budget, max_depth=D)  # 1. drafting
     drafts = tree.draft_token_ids()           # -> the engine schedules 1 + len(drafts[r]) tokens
     tree = tree.select(rows, num_nodes)       # next step: the scheduled requests, as scheduled
     logits = <ONE target forward over tree's flat nodes>                     # 2. the target
@@ -21,8 +21,9 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
-from vllm_bole.spec_decode.best_first import best_first_tree
+from vllm_bole.spec_decode.best_first import best_first_slots, best_first_tree
 from vllm_bole.spec_decode.candidates import Drafter
+from vllm_bole.spec_decode.controller import BudgetController, Choice
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.spec_decode.verification import VerificationResult, verify_deterministic, verify_greedy
 
@@ -30,11 +31,19 @@ __all__ = ["Sampling", "TreeLayer", "commit", "draft_trees", "verify_tree"]
 
 
 def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequence[int]], depths: Sequence[int],
-                budget: int, *, max_depth: int, top_k: int | None = None) -> TreeBatch:
-    """Best-first trees of ``budget`` draft nodes from the drafter's per-depth candidates; a request
-    with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the last committed tokens."""
+                budget: int, *, max_depth: int, top_k: int | None = None, controller: BudgetController | None = None,
+                kv_lens: Sequence[int] | None = None) -> tuple[TreeBatch, Choice | None]:
+    """Best-first trees of at most ``budget`` draft nodes per request from the drafter's per-depth
+    candidates; a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the
+    last committed tokens. With a ``controller`` the trees grown at ``budget`` are cut to the
+    budgets it chooses for the batch (``kv_lens`` [B]: the requests' context lengths); returns the
+    trees and that choice (None without a controller)."""
     cands = drafter.propose(histories, depths)
-    return best_first_tree(roots, cands, budget, max_depth=max_depth, top_k=top_k)
+    if controller is None:
+        return best_first_tree(roots, cands, budget, max_depth=max_depth, top_k=top_k), None
+    full = best_first_slots(roots, cands, budget, max_depth=max_depth, top_k=top_k)
+    choice = controller.choose(full.logrho, full.valid, kv_lens)
+    return best_first_tree(roots, cands, choice.budgets, max_depth=max_depth, top_k=top_k), choice
 
 
 @dataclass

@@ -1,0 +1,138 @@
+"""The budget controller (``vllm_bole.spec_decode.controller``): the cost model, and the choice of
+per-request budgets against brute force on small random batches."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from vllm_bole.spec_decode.best_first import best_first_slots, best_first_tree
+from vllm_bole.spec_decode.candidates import Candidates
+from vllm_bole.spec_decode.controller import BudgetController, Roofline, StepCostModel
+from vllm_bole.spec_decode.step import draft_trees
+
+H200ISH = dict(weight_bytes=2e9, params_active=1e9, kv_bytes_per_token=4e4, attn_flops_per_pair=1e5, state_bytes=3e7,
+               bandwidth=4.25e12, peak_flops=8e14, overhead_s=2e-4)
+
+
+def roofline(**kw) -> Roofline:
+    return Roofline(**dict(H200ISH, **kw))
+
+
+def random_candidates(g, B, D, K, vocab=50, empty=()):
+    probs = torch.rand(B, D, K, generator=g) ** 3
+    probs = probs / probs.sum(-1, keepdim=True) * torch.rand(B, D, 1, generator=g)
+    tokens = torch.randint(0, vocab, (B, D, K), generator=g)
+    for b in empty:
+        tokens[b] = -1
+    return Candidates(tokens=tokens, probs=probs)
+
+
+def test_roofline_regimes_and_refusals():
+    r = roofline()
+    t = r.seconds(4, torch.tensor([4.0, 40.0, 4e5]), torch.tensor([0.0, 0.0, 0.0]), 1e3)
+    mem = r.overhead_s + (2e9 + 4e4 * 1e3 + 2 * 3e7 * 4) / 4.25e12
+    assert t[0].item() == pytest.approx(mem) and t[1].item() == pytest.approx(mem)  # weight-bound: flat
+    assert t[2].item() == pytest.approx(r.overhead_s + 2e9 * 4e5 / 8e14)  # compute-bound
+    with pytest.raises(ValueError, match="bandwidth"):
+        roofline(bandwidth=0)
+
+
+def test_cost_model_learns_per_bucket():
+    m = StepCostModel(roofline(), alpha=0.5)
+    assert m.correction(torch.tensor([8, 64])).tolist() == [1.0, 1.0]
+    m.observe(8, 1e-3, 2e-3)
+    m.observe(8, 1e-3, 4e-3)
+    m.observe(64, 1e-3, 1e-3)
+    m.observe(64, 0.0, 1e-3)  # ignored: no prior
+    assert m.correction(torch.tensor([8, 10, 40, 1000])).tolist() == [3.0, 3.0, 1.0, 1.0]
+
+
+def _brute_best_sum(rho_trees, total):
+    """Max sum of rho over prefix-closed node sets of ``total`` nodes (every request's tree a dict
+    node -> (parent, rho))."""
+    best = -math.inf
+    nodes = [(b, i) for b, t in enumerate(rho_trees) for i in t]
+    for sel in itertools.combinations(nodes, total):
+        s = set(sel)
+        if all(rho_trees[b][i][0] < 0 or (b, rho_trees[b][i][0]) in s for b, i in sel):
+            best = max(best, sum(rho_trees[b][i][1] for b, i in sel))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_choice_is_the_best_throughput_and_the_best_tree(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, D, K, cap = 3, 3, 2, 4
+    cands = random_candidates(g, B, D, K, empty=(1,) if seed % 3 == 0 else ())
+    roots = torch.randint(0, 50, (B,), generator=g)
+    kv = [int(torch.randint(1, 500, (1,), generator=g))] * B
+    steep = seed % 2 == 0  # compute-bound per token (fewer nodes pay) or weight-bound (all pay)
+    cost = StepCostModel(roofline(params_active=1e12 if steep else 1e9))
+    ctl = BudgetController(cost, eps=None, min_per_request=seed % 3 == 1)
+    full = best_first_slots(roots, cands, cap, max_depth=D)
+    ch = ctl.choose(full.logrho, full.valid, kv)
+    # brute force over every total N: the best prefix-closed trees and the throughput of each N
+    trees = [{i: (int(full.parent[b, i]) - 1 if full.parent[b, i] > 0 else -1, float(full.logrho[b, i].exp()))
+              for i in range(1, int(full.valid[b].sum()))} for b in range(B)]
+    trees = [{i - 1: (p, r) for i, (p, r) in t.items()} for t in trees]
+    n_all = sum(map(len, trees))
+    tput = {}
+    for n in range(n_all + 1):
+        best = _brute_best_sum(trees, n)
+        pairs = torch.tensor([float(sum(kv) + B + n * (kv[0] + 1))])
+        c = cost.prior.seconds(B, torch.tensor([float(B + n)]), pairs, float(sum(kv)))
+        tput[n] = (B + best, (B + best) / float(c))
+    assert int(ch.budgets.sum()) == ch.total and (ch.budgets <= full.valid.sum(1) - 1).all()
+    if ctl.min:  # every request gets its best ``min`` nodes first
+        assert (ch.budgets >= torch.clamp(full.valid.sum(1) - 1, max=ctl.min)).all()
+    else:
+        want = max(tput, key=lambda n: (tput[n][1], -n))
+        assert tput[ch.total][1] == pytest.approx(tput[want][1], rel=1e-9)
+        assert ch.expected_tokens == pytest.approx(tput[ch.total][0], rel=1e-9)
+    if not steep:
+        assert ch.total == n_all  # weight-bound: every node is free
+
+
+def test_buckets_eps_and_ragged_budgets():
+    g = torch.Generator().manual_seed(7)
+    B, D, K = 4, 6, 4
+    cands = random_candidates(g, B, D, K)
+    cands.probs[3] = torch.where(torch.arange(K) == 0, 0.99, 0.002)  # a confident request
+    cands.probs[0] *= 0.05  # a hopeless one
+    roots = torch.arange(B)
+    full = best_first_slots(roots, cands, 16, max_depth=D)
+    # weight-bound up to about 24 tokens, then each token costs: the cap (1 + eps) stops it at a bucket
+    cost = StepCostModel(roofline(params_active=8e9, overhead_s=0.0))
+    ctl = BudgetController(cost, buckets=[4, 8, 16, 24, 32, 48, 64], eps=0.5)
+    ch = ctl.choose(full.logrho, full.valid, [100] * B)
+    assert B + ch.total in (4, 8, 16, 24, 32, 48, 64) or ch.total == int(full.valid.sum()) - B
+    assert ch.predicted_s <= 1.5 * float(cost.prior.seconds(B, torch.tensor([4.0]), torch.tensor([404.0]), 400.0))
+    assert ch.budgets[3] > ch.budgets[0] and 0 < ch.total < int(full.valid.sum()) - B
+    with pytest.raises(ValueError, match="min_per_request"):
+        BudgetController(cost, min_per_request=-1)
+    with pytest.raises(ValueError, match="kv_lens"):
+        ctl.choose(full.logrho, full.valid, [1, 2])
+
+
+class _Fixed:
+    def __init__(self, cands):
+        self.cands = cands
+
+    def propose(self, histories, depths):
+        return self.cands
+
+
+def test_draft_trees_cut_to_the_chosen_budgets():
+    g = torch.Generator().manual_seed(3)
+    B, D, K = 5, 4, 3
+    cands = random_candidates(g, B, D, K, empty=(2,))
+    roots = list(range(B))
+    ctl = BudgetController(StepCostModel(roofline(params_active=2e11)), eps=None)
+    tree, ch = draft_trees(_Fixed(cands), roots, [[1]] * B, [D] * B, 12, max_depth=D, controller=ctl,
+                           kv_lens=[10] * B)
+    want = best_first_tree(roots, cands, ch.budgets, max_depth=D)
+    assert torch.equal(tree.token_ids, want.token_ids) and torch.equal(tree.parent, want.parent)
+    assert (tree.cu_nodes.diff() == ch.budgets + 1).all() and ch.budgets[2] == 0
+    full, none = draft_trees(_Fixed(cands), roots, [[1]] * B, [D] * B, 12, max_depth=D)
+    assert none is None and full.token_ids.numel() >= tree.token_ids.numel()

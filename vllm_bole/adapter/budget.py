@@ -1,0 +1,104 @@
+"""The budget controller inside vLLM's runner (``budget: "auto"``): its roofline prior from the
+loaded model, its KV caches and the device; its measurements (each tree step, from input
+preparation to the sampled tokens, which the verification reads back to the host); its counters.
+
+The prior's device numbers are nominal (HBM bandwidth, dense bf16 peak; a CPU gets a rough
+default): the online correction per token bucket absorbs what they miss, from the first tree step
+of each bucket on.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_bole.spec_decode.controller import BudgetController, Choice, Roofline, StepCostModel
+
+# device-name substring -> (bytes / s, flop / s)
+DEVICES = {"H200": (4.8e12, 9.89e14), "H100": (3.35e12, 9.89e14), "H20": (4.0e12, 1.48e14),
+           "A100": (2.0e12, 3.12e14), "L40S": (8.64e11, 3.62e14), "L4": (3.0e11, 1.21e14)}
+CPU = (2.0e10, 2.0e11)
+OVERHEAD_S = {"cuda": 1e-4, "cpu": 1e-3}
+
+
+def device_roofline(device: torch.device) -> tuple[float, float]:
+    if device.type != "cuda":
+        return CPU
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in DEVICES.items() if k in name), DEVICES["A100"])
+
+
+def _state_bytes(layer) -> int:
+    """Bytes of one request's state (every tensor of the layer's cache, one slot)."""
+    return sum(t[0].numel() * t.element_size() for t in layer.module.kv_cache)
+
+
+class StepBudget:
+    def __init__(self, config):
+        self.config = config
+        self.ctl: BudgetController | None = None
+        self.t0: float | None = None
+        self.draft_s = 0.0  # exponentially weighted drafting time per step
+        self.predicted_s: float | None = None
+        self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], observed_steps=0,
+                          predicted_step_s=0.0, measured_step_s=0.0)
+
+    def controller(self, runner) -> BudgetController:
+        """Built at the first drafting step (model loaded, KV caches bound, layers installed)."""
+        if self.ctl is None:
+            self.ctl = BudgetController(StepCostModel(self._prior(runner)), min_per_request=self.config.min_budget,
+                                        eps=self.config.eps, buckets=self._buckets(runner))
+        return self.ctl
+
+    @staticmethod
+    def _prior(runner) -> Roofline:
+        params = list(runner.get_model().parameters())
+        kv = pair = 0.0
+        for group in runner._bole_attention:
+            for layer in group.layers:
+                m = layer.module
+                kv += 2 * m.num_kv_heads * m.head_size * m.kv_cache[0].element_size()
+                pair += 4 * m.num_heads * m.head_size
+        state = sum(_state_bytes(x) for layers in runner._bole_recurrent.values() for x in layers)
+        device = torch.device(runner.device)
+        bw, peak = device_roofline(device)
+        return Roofline(weight_bytes=sum(p.numel() * p.element_size() for p in params),
+                        params_active=sum(p.numel() for p in params), kv_bytes_per_token=kv,
+                        attn_flops_per_pair=pair, state_bytes=state, bandwidth=bw, peak_flops=peak,
+                        overhead_s=OVERHEAD_S.get(device.type, 1e-3))
+
+    @staticmethod
+    def _buckets(runner):
+        mode = getattr(runner.compilation_config, "cudagraph_mode", None)
+        if mode is None or mode.name == "NONE":
+            return None
+        return list(getattr(runner, "cudagraph_batch_sizes", None) or []) or None
+
+    def chosen(self, choice: Choice) -> None:
+        st = self.stats
+        st["budget_steps"] += 1
+        st["budget_nodes"] += choice.total
+        st["budget_last"] = choice.budgets.tolist()
+        self.predicted_s = choice.predicted_s
+
+    def drafted(self, seconds: float) -> None:
+        self.draft_s = seconds if self.stats["budget_steps"] <= 1 else 0.8 * self.draft_s + 0.2 * seconds
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def observe(self, num_requests: int, tokens: int, kv_tokens: float) -> None:
+        """The tree step begun at :meth:`start` has its sampled tokens on the host."""
+        if self.ctl is None or self.t0 is None:
+            return
+        measured, self.t0 = time.perf_counter() - self.t0, None
+        bucket = int(self.ctl.bucket(torch.tensor([tokens]))[0])
+        prior = float(self.ctl.cost.prior.seconds(num_requests, torch.tensor([float(bucket)]),
+                                                  torch.tensor([kv_tokens + tokens]), kv_tokens)[0])
+        self.ctl.cost.observe(bucket, prior, measured)
+        st = self.stats
+        if self.predicted_s is not None:
+            st["observed_steps"] += 1
+            st["predicted_step_s"] += self.predicted_s
+            st["measured_step_s"] += measured
+            self.predicted_s = None

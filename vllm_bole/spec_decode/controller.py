@@ -1,0 +1,147 @@
+"""The verification budget per step, batch-wide and ragged per request (BASTION's S(N) and Bole's
+B_ver(c) on one cost model). Engine-agnostic: the runner feeds it the grown trees' scores, the
+requests' context lengths and its measured step times.
+
+* :class:`Roofline`: a prior for one target forward from the model and the GPU: weights read once,
+  every request's KV read once per full-attention layer, every request's recurrent and conv state
+  read once and written once, 2 flops per parameter per token plus attention's 4 * head_dim *
+  heads flops per (token, context token); time = overhead + max(bytes / bandwidth, flops / peak).
+* :class:`StepCostModel`: that prior times a correction learnt online from measured steps, an
+  exponentially weighted ratio per token bucket (the padded token count, i.e. the CUDA-graph
+  size); an unseen bucket borrows the ratio of the nearest seen one.
+* :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
+  scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
+  by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
+  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting time)``, among totals
+  whose verify cost stays within ``(1 + eps)`` times a plain decode step of the same batch (Bole's
+  cap), on bucket boundaries only (padding to a bucket costs the same as filling it). A request
+  with poor acceptance scores low and gets a small tree; one without candidates gets none.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+__all__ = ["BudgetController", "Choice", "Roofline", "StepCostModel"]
+
+
+@dataclass(frozen=True)
+class Roofline:
+    weight_bytes: float  # read once per forward
+    params_active: float  # parameters touched per token (2 flops each)
+    kv_bytes_per_token: float  # K + V bytes of one context token over all full-attention layers
+    attn_flops_per_pair: float  # flops per (query token, context token) over all full-attention layers
+    state_bytes: float  # recurrent + conv state bytes of one request over all layers
+    bandwidth: float  # bytes / s
+    peak_flops: float  # flop / s
+    overhead_s: float = 0.0  # per forward (launches, host)
+
+    def __post_init__(self):
+        for name in ("bandwidth", "peak_flops"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0 (got {getattr(self, name)})")
+
+    def seconds(self, num_requests: int, tokens: torch.Tensor, pairs: torch.Tensor, kv_tokens: float) -> torch.Tensor:
+        """Time of one forward over ``tokens`` query tokens (any shape) with ``pairs`` (query,
+        context) token pairs, ``num_requests`` requests holding ``kv_tokens`` context tokens."""
+        tokens, pairs = torch.as_tensor(tokens, dtype=torch.float64), torch.as_tensor(pairs, dtype=torch.float64)
+        nbytes = self.weight_bytes + self.kv_bytes_per_token * kv_tokens + 2 * self.state_bytes * num_requests
+        flops = 2 * self.params_active * tokens + self.attn_flops_per_pair * pairs
+        return self.overhead_s + torch.maximum(torch.full_like(flops, nbytes / self.bandwidth), flops / self.peak_flops)
+
+
+@dataclass
+class StepCostModel:
+    prior: Roofline
+    alpha: float = 0.2  # weight of a new measurement
+    ratio: dict = field(default_factory=dict)  # bucket -> measured / prior
+
+    def correction(self, buckets: torch.Tensor) -> torch.Tensor:
+        """``[n]`` ratios for token buckets ``[n]`` (nearest seen bucket; 1 before any measurement)."""
+        if not self.ratio:
+            return torch.ones(buckets.shape, dtype=torch.float64)
+        seen = torch.tensor(sorted(self.ratio), dtype=torch.float64)
+        vals = torch.tensor([self.ratio[int(b)] for b in seen.long().tolist()], dtype=torch.float64)
+        return vals[(buckets.double()[:, None] - seen[None, :]).abs().argmin(1)]
+
+    def observe(self, bucket: int, predicted_prior_s: float, measured_s: float) -> None:
+        """One measured forward of token bucket ``bucket`` whose prior predicted ``predicted_prior_s``."""
+        if not (predicted_prior_s > 0 and math.isfinite(measured_s) and measured_s > 0):
+            return
+        r = measured_s / predicted_prior_s
+        old = self.ratio.get(int(bucket))
+        self.ratio[int(bucket)] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+
+
+@dataclass(frozen=True)
+class Choice:
+    budgets: torch.Tensor  # [B] int64 draft nodes per request
+    total: int  # draft nodes of the batch
+    bucket: int  # padded token count of the verify forward
+    predicted_s: float  # corrected cost of that forward
+    prior_s: float  # the prior alone (what ``StepCostModel.observe`` compares against)
+    expected_tokens: float  # B + sum rho of the chosen nodes
+
+
+class BudgetController:
+    def __init__(self, cost: StepCostModel, *, min_per_request: int = 0, eps: float | None = 1.0,
+                 buckets: Sequence[int] | None = None):
+        if not min_per_request >= 0:
+            raise ValueError(f"min_per_request: must be >= 0 (got {min_per_request})")
+        if eps is not None and not eps >= 0:
+            raise ValueError(f"eps: must be >= 0 or None (got {eps})")
+        self.cost, self.min, self.eps = cost, min_per_request, eps
+        self.buckets = torch.tensor(sorted(set(buckets)), dtype=torch.long) if buckets else None
+        self.draft_s = 0.0  # drafting time per step (the engine keeps it current)
+
+    def bucket(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The padded token count of forwards over ``tokens`` tokens."""
+        if self.buckets is None:
+            return tokens
+        i = torch.searchsorted(self.buckets, tokens).clamp(max=self.buckets.numel() - 1)
+        return torch.where(tokens <= self.buckets[-1], self.buckets[i], tokens)
+
+    def choose(self, logrho: torch.Tensor, valid: torch.Tensor, kv_lens: Sequence[int]) -> Choice:
+        """``logrho`` / ``valid`` ``[B, S]``: every request's tree at its maximum budget (slot 0 the
+        root, as :class:`~vllm_bole.spec_decode.best_first.Slots`); ``kv_lens`` [B] committed
+        context lengths. Returns the per-request budgets (module docstring)."""
+        B = logrho.shape[0]
+        kv = torch.as_tensor(kv_lens, dtype=torch.float64).flatten()
+        if kv.numel() != B:
+            raise ValueError(f"kv_lens: {kv.numel()} lengths for {B} requests")
+        lr = torch.where(valid, logrho.double().cpu(), -math.inf)[:, 1:]
+        # each request's draft nodes by score; the first ``min`` are taken first, then the batch by score
+        key = lr.sort(dim=1, descending=True, stable=True).values
+        rank = torch.arange(key.shape[1])[None, :].expand_as(key)
+        ok = key > -math.inf
+        tier = torch.where(rank < self.min, 0, 1)
+        req = torch.arange(B)[:, None].expand_as(key)
+        flat = ok.reshape(-1).nonzero().squeeze(1)  # row-major: (request, rank) ascending
+        k_tier, k_score, k_req = (x.reshape(-1)[flat] for x in (tier, key, req))
+        g = torch.argsort(-k_score, stable=True)
+        g = g[torch.argsort(k_tier[g], stable=True)]
+        node_req, rho, forced = k_req[g], k_score[g].exp(), int((k_tier == 0).sum())
+        n = torch.arange(node_req.numel() + 1)
+        expected = B + torch.cat([torch.zeros(1, dtype=torch.float64), rho.cumsum(0)])
+        pairs = kv.sum() + B + torch.cat([torch.zeros(1, dtype=torch.float64), (kv[node_req] + 1).cumsum(0)])
+        bucket = self.bucket(B + n)
+        prior = self.cost.prior.seconds(B, bucket.double(), pairs, float(kv.sum()))
+        cost = prior * self.cost.correction(bucket)
+        # candidates: the largest total of each bucket (the same cost, more nodes), and N = 0
+        last = torch.ones_like(bucket, dtype=torch.bool)
+        last[:-1] = bucket[1:] != bucket[:-1]
+        cand = last | (n == 0)
+        cand &= n >= forced
+        if self.eps is not None:
+            cand &= cost <= (1 + self.eps) * cost[0]
+            cand[0] |= forced == 0
+        if not cand.any():
+            cand[forced] = True
+        tput = expected / (cost + self.draft_s)
+        best = int(torch.where(cand, tput, -math.inf).argmax())
+        budgets = torch.bincount(node_req[:best], minlength=B)
+        return Choice(budgets=budgets, total=best, bucket=int(bucket[best]), predicted_s=float(cost[best]),
+                      prior_s=float(prior[best]), expected_tokens=float(expected[best]))
