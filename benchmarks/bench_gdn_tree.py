@@ -31,7 +31,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import bench_ms, device_ceilings, write_results  # noqa: E402
 from benchmarks.tree_cases import (  # noqa: E402
-    accepted_flat, finish_case, print_summary, random_trees, root_to_leaf_paths, to_device,
+    accepted_flat, finish_case, print_summary, root_to_leaf_paths, seeded_trees, to_device,
 )
 from vllm_bole.gdn import PendingPath, gdn_tree_step, stash_accepted_path  # noqa: E402
 from vllm_bole.testing.oracles import gdn_tree_reference  # noqa: E402
@@ -71,8 +71,7 @@ def per_node_kernel(q, k, v, g, beta, o, parent_flat, cu_nodes, states, state0, 
 
 def make_case(B, N, cfg, seed, dtype=torch.bfloat16, dev="cuda"):
     Hk, Hv, K, V = cfg
-    gen = torch.Generator().manual_seed(seed)
-    tree = random_trees(B, N, gen)
+    tree, gen = seeded_trees(B, N, seed)
     T = tree.num_nodes
     q = torch.randn(T, Hk, K, generator=gen).to(dev, dtype)
     k = torch.randn(T, Hk, K, generator=gen).to(dev, dtype)

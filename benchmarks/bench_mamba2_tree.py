@@ -44,7 +44,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import bench_ms, device_ceilings, write_results  # noqa: E402
 from benchmarks.tree_cases import (  # noqa: E402
-    accepted_flat, finish_case, print_summary, random_trees, root_to_leaf_paths, to_device,
+    accepted_flat, finish_case, print_summary, root_to_leaf_paths, seeded_trees, to_device,
 )
 from vllm_bole.mamba.ssd_tree import PendingPath, ssd_tree_step, stash_accepted_path  # noqa: E402
 from vllm_bole.testing.oracles import ssd_tree_reference  # noqa: E402
@@ -127,8 +127,7 @@ def per_node_kernel(x, dt, Bm, Cm, y, A, D, dt_bias, parent_flat, cu_nodes, stat
 # ------------------------------------------------------------------------------- cases, methods
 def make_case(B, N, cfg, seed, dtype=torch.bfloat16, dev="cuda"):
     H, G, P, Nst = cfg
-    gen = torch.Generator().manual_seed(seed)
-    tree = random_trees(B, N, gen)
+    tree, gen = seeded_trees(B, N, seed)
     T = tree.num_nodes
     x = torch.randn(T, H, P, generator=gen).to(dev, dtype)
     dt = (torch.randn(T, H, generator=gen) * 0.5).to(dev, dtype)

@@ -1,6 +1,7 @@
 """Tree cases shared by the recurrent-layer tree benchmarks (bench_gdn_tree.py, bench_mamba2_tree.py).
 
 - ``random_trees(B, N, gen)``: B random recursive trees of N nodes (root included), depth <= 16.
+- ``seeded_trees(B, N, seed)``: a case's first draw, ``random_trees`` from a fresh seeded generator (and that generator).
 - ``accept_random_paths(tree, gen)``: per request, a random node's root path as the accepted path
   (``accepted [B, P]`` local indices, root first, -1 padded; P = max depth + 1).
 - ``root_to_leaf_paths(tree, acc_node)``: the serial baselines' work: every root-to-leaf path as a
@@ -26,6 +27,12 @@ from vllm_bole.testing.oracles import random_tree_batch
 
 def random_trees(B: int, N: int, gen, max_depth: int = 16):
     return random_tree_batch([N] * B, kind="random", max_depth=max_depth, generator=gen)
+
+
+def seeded_trees(B: int, N: int, seed: int):
+    """(trees, gen): ``random_trees(B, N, gen)`` drawn first from a generator seeded ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return random_trees(B, N, gen), gen
 
 
 def accept_random_paths(tree, gen):

@@ -52,6 +52,16 @@ def _errors(out, out_ref, state, slots, unused, states_ref, last):
     return rel_err(out, out_ref), rel_err(state[slots.long()], states_ref[last])
 
 
+def _verify_and_commit(tree, out, verify, commit, ref, state, slots, unused):
+    """``verify(out)`` (it must write and return the poisoned ``out``), then ``commit(acc)`` of each
+    request's deepest path; the ``_errors`` against the oracle's ``ref`` (outputs, states)."""
+    o = verify(out)
+    assert o.data_ptr() == out.data_ptr()
+    acc, last = deepest_accepted_paths(tree)
+    commit(acc)
+    return _errors(o, ref[0], state, slots, unused, ref[1], last)
+
+
 # --------------------------------------------------------------------------------------- GDN
 def _gdn_case(tree, kernels, Hk=1, Hv=1, K=64, V=64, dtype=torch.float32, state_dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -60,15 +70,19 @@ def _gdn_case(tree, kernels, Hk=1, Hv=1, K=64, V=64, dtype=torch.float32, state_
     q, k, v = r(T, Hk, K).to(dtype), r(T, Hk, K).to(dtype), r(T, Hv, V).to(dtype)
     g, beta = -torch.rand(T, Hv, generator=gen) * 0.3, torch.rand(T, Hv, generator=gen)
     state, slots, unused = _slot_cache(B, (Hv, K, V), state_dtype, gen)
-    o_ref, st = gdn_tree_reference(tree, q, k, v, g, beta, state[slots.long()])
-    out = torch.full((T, Hv, V), float("nan"), dtype=dtype)
-    o = gdn.gdn_tree_step(q, k, v, g, beta, tree, state, slots, out=out, kernels=kernels)
-    assert o.data_ptr() == out.data_ptr() and state.dtype == state_dtype
-    acc, last = deepest_accepted_paths(tree)
+    ref = gdn_tree_reference(tree, q, k, v, g, beta, state[slots.long()])
     pending = gdn.PendingPath.empty(B + 1, tree.max_depth + 1, Hk, Hv, K, V, dtype=dtype)
-    gdn.stash_accepted_path(pending, slots, tree, acc, k, v, g, beta, kernels=kernels)
-    gdn.gdn_commit_pending(state, slots, pending, kernels=kernels)
-    return _errors(o, o_ref, state, slots, unused, st, last)
+
+    def commit(acc):
+        gdn.stash_accepted_path(pending, slots, tree, acc, k, v, g, beta, kernels=kernels)
+        gdn.gdn_commit_pending(state, slots, pending, kernels=kernels)
+
+    errs = _verify_and_commit(
+        tree, torch.full((T, Hv, V), float("nan"), dtype=dtype),
+        lambda out: gdn.gdn_tree_step(q, k, v, g, beta, tree, state, slots, out=out, kernels=kernels),
+        commit, ref, state, slots, unused)
+    assert state.dtype == state_dtype
+    return errs
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -122,15 +136,18 @@ def _ssd_case(tree, kernels, H=2, G=1, P=32, N=16, dtype=torch.float32, state_dt
     A = -(torch.rand(H, generator=gen) + 0.1)
     kw = dict(D=r(H), dt_bias=r(H) * 0.3, dt_limit=(0.0, 2.0))
     state, slots, unused = _slot_cache(B, (H, P, N), state_dtype, gen)
-    y_ref, st = ssd_tree_reference(tree, x, dt, A, Bm, Cm, state[slots.long()], **kw)
-    out = torch.full((T, H, P), float("nan"), dtype=dtype)
-    y = ssd_tree.ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, out=out, kernels=kernels, **kw)
-    assert y.data_ptr() == out.data_ptr()
-    acc, last = deepest_accepted_paths(tree)
+    ref = ssd_tree_reference(tree, x, dt, A, Bm, Cm, state[slots.long()], **kw)
     pending = ssd_tree.PendingPath.empty(B + 1, tree.max_depth + 1, H, G, P, N, dtype=dtype)
-    ssd_tree.stash_accepted_path(pending, slots, tree, acc, x, dt, Bm, kernels=kernels)
-    ssd_tree.ssd_commit_pending(state, slots, pending, A, dt_bias=kw["dt_bias"], dt_limit=kw["dt_limit"], kernels=kernels)
-    return _errors(y, y_ref, state, slots, unused, st, last)
+
+    def commit(acc):
+        ssd_tree.stash_accepted_path(pending, slots, tree, acc, x, dt, Bm, kernels=kernels)
+        ssd_tree.ssd_commit_pending(state, slots, pending, A, dt_bias=kw["dt_bias"], dt_limit=kw["dt_limit"],
+                                    kernels=kernels)
+
+    return _verify_and_commit(
+        tree, torch.full((T, H, P), float("nan"), dtype=dtype),
+        lambda out: ssd_tree.ssd_tree_step(x, dt, A, Bm, Cm, tree, state, slots, out=out, kernels=kernels, **kw),
+        commit, ref, state, slots, unused)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -50,6 +50,16 @@ def _path_chains(tree: TreeBatch):
     return chains, gather, tree.request_index, last
 
 
+def _assert_matches_path_chains(tree: TreeBatch, got, run):
+    """Each node's ``got`` (an oracle's outputs on ``tree``) equals the last node of its chain in
+    ``run(chains, rows, reqs)``: the oracle on ``_path_chains(tree)``, node inputs gathered at
+    ``rows``, per-request ones at ``reqs``. Returns (chains, rows, reqs)."""
+    chains, idx, req, last = _path_chains(tree)
+    for out, out_chains in zip(got, run(chains, idx, req), strict=True):
+        torch.testing.assert_close(out, out_chains[last], rtol=0, atol=1e-12)
+    return chains, idx, req
+
+
 def test_random_tree_kinds():
     gen = _gen(0)
     for kind in TREE_KINDS:
@@ -96,10 +106,8 @@ def test_gdn_tree_matches_path_chains(shape):
     s0 = _randn(B, Hv, K, V, gen=g_)
     o, st = gdn_tree_reference(tree, q, k, v, g, beta, s0)
     assert o.dtype == F64 and st.shape == (T, Hv, K, V)
-    chains, idx, req, last = _path_chains(tree)
-    oc, sc = gdn_tree_reference(chains, q[idx], k[idx], v[idx], g[idx], beta[idx], s0[req])
-    torch.testing.assert_close(o, oc[last], rtol=0, atol=1e-12)
-    torch.testing.assert_close(st, sc[last], rtol=0, atol=1e-12)
+    _assert_matches_path_chains(
+        tree, (o, st), lambda c, i, r: gdn_tree_reference(c, q[i], k[i], v[i], g[i], beta[i], s0[r]))
 
 
 @pytest.mark.parametrize("shape", tree_shapes())
@@ -113,10 +121,8 @@ def test_ssd_tree_matches_path_chains(shape):
     s0 = _randn(B, H, P, N, gen=g_)
     kw = dict(D=D, dt_bias=dtb, dt_limit=(0.1, 1.5))
     y, st = ssd_tree_reference(tree, x, dt, A, Bm, Cm, s0, **kw)
-    chains, idx, req, last = _path_chains(tree)
-    yc, sc = ssd_tree_reference(chains, x[idx], dt[idx], A, Bm[idx], Cm[idx], s0[req], **kw)
-    torch.testing.assert_close(y, yc[last], rtol=0, atol=1e-12)
-    torch.testing.assert_close(st, sc[last], rtol=0, atol=1e-12)
+    _assert_matches_path_chains(
+        tree, (y, st), lambda c, i, r: ssd_tree_reference(c, x[i], dt[i], A, Bm[i], Cm[i], s0[r], **kw))
 
 
 @pytest.mark.parametrize("shape", tree_shapes())
@@ -126,10 +132,8 @@ def test_conv_tree_matches_path_chains(shape):
     T, B, C, W = tree.num_nodes, tree.num_requests, 6, 4
     x, w, bias, cs0 = _randn(T, C, gen=g_), _randn(C, W, gen=g_), _randn(C, gen=g_), _randn(B, C, W - 1, gen=g_)
     y, st = conv_tree_reference(tree, x, w, cs0, bias=bias)
-    chains, idx, req, last = _path_chains(tree)
-    yc, sc = conv_tree_reference(chains, x[idx], w, cs0[req], bias=bias)
-    torch.testing.assert_close(y, yc[last], rtol=0, atol=1e-12)
-    torch.testing.assert_close(st, sc[last], rtol=0, atol=1e-12)
+    chains, idx, req = _assert_matches_path_chains(
+        tree, (y, st), lambda c, i, r: conv_tree_reference(c, x[i], w, cs0[r], bias=bias))
     # The conv state of a node is literally the last W-1 inputs along its path (padded by cs0).
     for i in range(T):
         seq = torch.cat([cs0[req[i]], x[idx][chains.cu_nodes[i] : chains.cu_nodes[i + 1]].T], dim=1)
@@ -146,9 +150,8 @@ def test_attention_tree_matches_path_chains(shape):
     kp = [_randn(L, Hkv, D, gen=g_) for L in lens]
     vp = [_randn(L, Hkv, D, gen=g_) for L in lens]
     o = attention_tree_reference(tree, q, k, v, kp, vp)
-    chains, idx, req, last = _path_chains(tree)
-    oc = attention_tree_reference(chains, q[idx], k[idx], v[idx], [kp[r] for r in req], [vp[r] for r in req])
-    torch.testing.assert_close(o, oc[last], rtol=0, atol=1e-12)
+    _assert_matches_path_chains(tree, (o,), lambda c, i, r: (
+        attention_tree_reference(c, q[i], k[i], v[i], [kp[j] for j in r], [vp[j] for j in r]),))
 
 
 # ------------------------------------------------------------------------ 2c. conv vs conv1d

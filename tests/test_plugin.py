@@ -11,6 +11,12 @@ import vllm_bole
 from vllm_bole.plugin import check_vllm_version
 
 
+def _run_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter: it must exit 0 and print ``ok`` last."""
+    out = subprocess.run([sys.executable, "-c", code + "print('ok')\n"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
 def test_entry_point_is_registered():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     assert any(ep.name == "vllm_bole" and ep.value == "vllm_bole.plugin:register" for ep in eps)
@@ -36,10 +42,8 @@ def test_vllm_loads_plugin_once_per_process():
         "p.check_vllm_version = lambda v: (calls.append(v), orig(v))\n"
         "load_general_plugins(); load_general_plugins(); p.register()\n"
         "assert p._registered and len(calls) == 1, calls\n"
-        "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    _run_ok(code)
 
 
 def test_core_imports_without_vllm():
@@ -58,10 +62,8 @@ def test_core_imports_without_vllm():
         f"for m in {core!r}:\n"
         "    importlib.import_module(m)\n"
         "assert sys.modules['vllm'] is None\n"
-        "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    _run_ok(code)
 
 
 def test_tree_steps_never_dispatched_as_uniform_decode():

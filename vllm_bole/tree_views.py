@@ -1,11 +1,13 @@
 """Views of a ``TreeBatch`` for the plain-torch twins and the float64 references.
 
 * ``padded_tree`` / ``pad_nodes``: the padded per-request view ([B, N] positions) with its
-  ancestor-or-self mask, for the closed forms of the torch twins.
+  ancestor-or-self mask and a function padding node tensors, for the closed forms of the torch twins.
 * ``depth_levels`` / ``start_state``: the depth-level walk of the sequential references (every
   node from its parent's state, or from its request's committed state for the root).
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -13,9 +15,10 @@ from torch import Tensor
 from vllm_bole.spec_decode.tree import TreeBatch
 
 
-def padded_tree(tree: TreeBatch):
-    """(idx [B, N] flat node of each padded position (0 in padding), valid [B, N] bool,
-    M [B, N, N] bool ancestor-or-self mask, False on padding rows and columns); N = largest tree."""
+def padded_tree(tree: TreeBatch, dtype):
+    """(pad, valid [B, N] bool, M [B, N, N] bool ancestor-or-self mask, False on padding rows and
+    columns); N = largest tree, ``pad(x)`` = ``pad_nodes(x, idx, valid, dtype)`` with idx [B, N] the
+    flat node of each padded position (0 in padding)."""
     B, N = tree.num_requests, int(tree.nodes_per_request.max())
     cu = tree.cu_nodes.long()
     pos = torch.arange(N, device=cu.device)
@@ -24,7 +27,7 @@ def padded_tree(tree: TreeBatch):
     path = tree.path.long()[idx]  # [B, N, D + 1]
     dep = tree.depth.long()[idx]  # [B, N]
     M = (path.gather(2, dep[:, None, :].expand(B, N, N)) == pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
-    return idx, valid, M
+    return partial(pad_nodes, idx=idx, valid=valid, dtype=dtype), valid, M
 
 
 def pad_nodes(x, idx, valid, dtype):

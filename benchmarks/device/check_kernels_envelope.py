@@ -81,6 +81,13 @@ def slot_cache(B, row, scale, dtype, gen, dev):
     return cache, slots.to(dev), unused
 
 
+def draws(tree, seed, dev):
+    """(T, B, gen, r): the tree's node and request counts, a generator seeded ``seed`` and
+    ``r(*shape)``, standard normals from it on ``dev``."""
+    gen = torch.Generator().manual_seed(seed)
+    return tree.num_nodes, tree.num_requests, gen, lambda *s: torch.randn(*s, generator=gen).to(dev)
+
+
 def errors(out, out_ref, tree, cache, slots, unused, states_ref, last):
     """(outputs' error, the committed slots' error against the reference states at ``last``,
     whether the unused slot is still NaN)."""
@@ -94,9 +101,7 @@ def check_gdn(tree, dims, dtype, dev):
 
     Hk, Hv, K, V = dims
     dt, sdt = DTYPES[dtype]
-    gen = torch.Generator().manual_seed(1)
-    T, B = tree.num_nodes, tree.num_requests
-    r = lambda *s: torch.randn(*s, generator=gen).to(dev)  # noqa: E731
+    T, B, gen, r = draws(tree, 1, dev)
     q, k, v = r(T, Hk, K).to(dt), r(T, Hk, K).to(dt), r(T, Hv, V).to(dt)
     g = -torch.rand(T, Hv, generator=gen).to(dev) * 0.3
     beta = torch.rand(T, Hv, generator=gen).to(dev)
@@ -117,9 +122,7 @@ def check_ssd(tree, dims, dtype, dev):
 
     H, G, P, N = dims
     dt, sdt = DTYPES[dtype]
-    gen = torch.Generator().manual_seed(2)
-    T, B = tree.num_nodes, tree.num_requests
-    r = lambda *s: torch.randn(*s, generator=gen).to(dev)  # noqa: E731
+    T, B, gen, r = draws(tree, 2, dev)
     x, dtr = r(T, H, P).to(dt), r(T, H).to(dt)
     Bm, Cm = (r(T, G, N) * 0.3).to(dt), (r(T, G, N) * 0.3).to(dt)
     A = -(torch.rand(H, generator=gen) + 0.1).to(dev)
@@ -141,8 +144,7 @@ def check_conv(tree, dims, dtype, dev):
 
     C, W = dims
     dt, sdt = DTYPES[dtype]
-    gen = torch.Generator().manual_seed(3)
-    T, B = tree.num_nodes, tree.num_requests
+    T, B, gen, _ = draws(tree, 3, dev)
     x = torch.randn(T, C, generator=gen).to(dev, dt)
     w, bias = torch.randn(C, W, generator=gen).to(dev, dt), torch.randn(C, generator=gen).to(dev, dt)
     cs, slots, unused = slot_cache(B, (C, W - 1), 1.0, sdt, gen, dev)
@@ -161,8 +163,7 @@ def check_attention(tree, dims, dtype, dev, prefix=300, bs=16):
 
     Hq, Hkv, D = dims
     dt = DTYPES[dtype][0]
-    gen = torch.Generator().manual_seed(4)
-    T, B = tree.num_nodes, tree.num_requests
+    T, B, gen, _ = draws(tree, 4, dev)
     sizes = tree.nodes_per_request.tolist()
     P = torch.tensor([prefix + 7 * r for r in range(B)], dtype=torch.int32)
     nblk = [(int(p) + n + bs - 1) // bs for p, n in zip(P, sizes)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_bole.pending import live_pending, pending_rows
-from vllm_bole.tree_views import pad_nodes, padded_tree
+from vllm_bole.tree_views import padded_tree
 
 
 def closed_form(S, q, k, v, g, beta, M, scale):
@@ -60,8 +60,7 @@ def step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_
         state[sl] = S.to(state.dtype)
     if tree is None:
         return None
-    idx, valid, M = padded_tree(tree)
-    pad = lambda x: pad_nodes(x, idx, valid, dt)  # noqa: E731
+    pad, valid, M = padded_tree(tree, dt)
     qb, kb = pad(_prep_qk(q, Hv, use_qk_l2norm, dt)), pad(_prep_qk(k, Hv, use_qk_l2norm, dt))
     o, _, _ = closed_form(state[slots].to(dt), qb, kb, pad(v), pad(g), pad(beta), M, scale)
     return o.transpose(1, 2)[valid].to(v.dtype)

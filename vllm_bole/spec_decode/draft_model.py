@@ -115,9 +115,18 @@ class HFDraftModel:
         out.tokens[idx, : tok.shape[1]] = tok.masked_fill(cut[..., None], -1)
         out.probs[idx, : tok.shape[1]] = prob.masked_fill(cut[..., None], 0.0)
 
-    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        v, t = logits.float().softmax(-1).topk(self.top_k, dim=-1)
-        return t, v
+    def _chain(self, out, depth, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-``k`` of the last position's draft distribution at each of ``depth`` depths from
+        ``out``; ``step(out, nxt, d)`` feeds the top-1 ``nxt`` [n, 1] after depth ``d`` and returns the
+        next output. ``[n, depth, K]`` tokens and probabilities."""
+        toks, probs = [], []
+        for d in range(depth):
+            v, t = out.logits[:, -1].float().softmax(-1).topk(self.top_k, dim=-1)
+            toks.append(t)
+            probs.append(v)
+            if d + 1 < depth:
+                out = step(out, t[:, :1], d)
+        return torch.stack(toks, 1).cpu(), torch.stack(probs, 1).cpu()
 
     def _propose_padded(self, histories, depth) -> tuple[torch.Tensor, torch.Tensor]:
         """``cache_kind == "attention"``: every request in one left-padded batch; ``[n, depth, K]``."""
@@ -129,39 +138,26 @@ class HFDraftModel:
             mask[j, L - len(h):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        toks, probs = [], []
-        for d in range(depth):
-            t, v = self._topk(out.logits[:, -1])
-            toks.append(t)
-            probs.append(v)
-            if d + 1 == depth:
-                break
-            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-            pos = pos[:, -1:] + 1
-            out = self.model(input_ids=t[:, :1], attention_mask=mask, position_ids=pos,
-                             past_key_values=out.past_key_values, use_cache=True)
-        return torch.stack(toks, 1).cpu(), torch.stack(probs, 1).cpu()
+
+        def step(out, nxt, d):
+            return self.model(input_ids=nxt, attention_mask=torch.cat([mask, mask.new_ones(B, d + 1)], dim=1),
+                              position_ids=pos[:, -1:] + d + 1, past_key_values=out.past_key_values, use_cache=True)
+
+        return self._chain(self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True), depth, step)
 
     def _propose_group(self, histories, depth) -> tuple[torch.Tensor, torch.Tensor]:
         """Histories of one length in one unpadded batch, stepped as the cache kind allows; ``[n, depth, K]``."""
         seq = torch.tensor([list(h) for h in histories], dtype=torch.long, device=self.device)
         L, kind = seq.shape[1], self.cache_kind
-        out = self.model(input_ids=seq, use_cache=kind != "none")
-        toks, probs = [], []
-        for d in range(depth):
-            t, v = self._topk(out.logits[:, -1])
-            toks.append(t)
-            probs.append(v)
-            if d + 1 == depth:
-                break
-            nxt = t[:, :1]
+
+        def step(out, nxt, d):
+            nonlocal seq
             if kind in ("attention", "past_key_values"):
-                out = self.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-            elif kind == "cache_params":
+                return self.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+            if kind == "cache_params":
                 pos = torch.tensor([L + d], device=self.device)
-                out = self.model(input_ids=nxt, cache_params=out.cache_params, cache_position=pos, use_cache=True)
-            else:  # no cache: recompute the whole sequence
-                seq = torch.cat([seq, nxt], dim=1)
-                out = self.model(input_ids=seq)
-        return torch.stack(toks, 1).cpu(), torch.stack(probs, 1).cpu()
+                return self.model(input_ids=nxt, cache_params=out.cache_params, cache_position=pos, use_cache=True)
+            seq = torch.cat([seq, nxt], dim=1)  # no cache: recompute the whole sequence
+            return self.model(input_ids=seq)
+
+        return self._chain(self.model(input_ids=seq, use_cache=kind != "none"), depth, step)

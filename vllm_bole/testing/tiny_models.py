@@ -45,28 +45,31 @@ CHAT_TEMPLATE = (
 )
 
 _MAMBA = dict(n_heads=8, head_dim=32, d_state=16)
+# Shared by every config but Mamba2 (which has no attention layers).
+_ATTENTION = dict(hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+# The rest of the Mamba2 mixer, under the two naming schemes of transformers' configs.
+_MAMBA_PLAIN = dict(n_groups=1, conv_kernel=4, expand=2, chunk_size=64)  # Mamba2, NemotronH
+_MAMBA_PREFIXED = dict(mamba_n_heads=_MAMBA["n_heads"], mamba_d_head=_MAMBA["head_dim"], mamba_d_state=_MAMBA["d_state"],
+                       mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=64)  # GraniteMoeHybrid, FalconH1
 
 
 class Spec(NamedTuple):
     config_cls: str  # transformers config class
     kwargs: dict  # config arguments besides vocabulary, special tokens, init std
-    dtype: str  # checkpoint dtype
-    std: float  # initializer_range
+    dtype: str = "float32"  # checkpoint dtype
+    # initializer_range: 0.25 (against HF's 0.02) makes greedy streams prompt-dependent, hardly repetitive,
+    # with a median top-1/top-2 logit gap of ~0.6 (the HF default gives near-uniform logits).
+    std: float = 0.25
     saved: dict = {}  # config values changed after initialisation, before saving
 
 
-# The init std (0.25, against HF's 0.02) makes greedy streams prompt-dependent, hardly repetitive, with a
-# median top-1/top-2 logit gap of ~0.6 (the HF default gives near-uniform logits).
 _SPECS: dict[str, Spec] = {
     "qwen3_next": Spec(
         "Qwen3NextConfig",
         dict(
-            hidden_size=HIDDEN,
-            intermediate_size=256,
+            _ATTENTION,
             num_hidden_layers=4,
             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-            num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=32,
             linear_conv_kernel_dim=4,
             linear_key_head_dim=128,
@@ -85,28 +88,19 @@ _SPECS: dict[str, Spec] = {
             norm_topk_prob=True,
         ),
         "bfloat16",
-        0.25,
     ),
     "nemotron_h": Spec(
         "NemotronHConfig",
         dict(
-            hidden_size=HIDDEN,
+            _ATTENTION,
+            **_MAMBA_PLAIN,
             layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
             num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=32,
-            intermediate_size=256,
             mamba_num_heads=_MAMBA["n_heads"],
             mamba_head_dim=_MAMBA["head_dim"],
             ssm_state_size=_MAMBA["d_state"],
-            n_groups=1,
-            conv_kernel=4,
-            expand=2,
-            chunk_size=64,
         ),
-        "float32",
-        0.25,
         # HF's NemotronH clamps dt from below at time_step_min (also its init range); vLLM does not (it
         # reads time_step_limit = (0, inf)). With this init std some dt fall below 1e-3, so HF and vLLM
         # would differ by up to 0.1 in logprob. Initialise with 1e-3, save 0: both then compute the same.
@@ -115,73 +109,29 @@ _SPECS: dict[str, Spec] = {
     "granitemoehybrid": Spec(
         "GraniteMoeHybridConfig",
         dict(
-            hidden_size=HIDDEN,
-            intermediate_size=256,
+            _ATTENTION,
+            **_MAMBA_PREFIXED,
             shared_intermediate_size=256,
             num_local_experts=0,
             num_hidden_layers=4,
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            mamba_n_heads=_MAMBA["n_heads"],
-            mamba_d_head=_MAMBA["head_dim"],
-            mamba_d_state=_MAMBA["d_state"],
-            mamba_n_groups=1,
-            mamba_d_conv=4,
             mamba_expand=2,
-            mamba_chunk_size=64,
             position_embedding_type="rope",
         ),
-        "float32",
-        0.25,
     ),
     "mamba2": Spec(
         "Mamba2Config",
         dict(
+            _MAMBA_PLAIN,
             hidden_size=HIDDEN,
             num_hidden_layers=2,
             num_heads=_MAMBA["n_heads"],
             head_dim=_MAMBA["head_dim"],
             state_size=_MAMBA["d_state"],
-            n_groups=1,
-            expand=2,
-            conv_kernel=4,
-            chunk_size=64,
         ),
-        "float32",
-        0.25,
     ),
-    "falcon_h1": Spec(
-        "FalconH1Config",
-        dict(
-            hidden_size=HIDDEN,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            mamba_n_heads=_MAMBA["n_heads"],
-            mamba_d_head=_MAMBA["head_dim"],
-            mamba_d_ssm=256,
-            mamba_d_state=_MAMBA["d_state"],
-            mamba_n_groups=1,
-            mamba_d_conv=4,
-            mamba_chunk_size=64,
-        ),
-        "float32",
-        0.25,
-    ),
-    "llama": Spec(
-        "LlamaConfig",
-        dict(
-            hidden_size=HIDDEN,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
-        "float32",
-        0.25,
-    ),
+    "falcon_h1": Spec("FalconH1Config", dict(_ATTENTION, **_MAMBA_PREFIXED, num_hidden_layers=2, mamba_d_ssm=256)),
+    "llama": Spec("LlamaConfig", dict(_ATTENTION, num_hidden_layers=2)),
 }
 
 ARCHS: tuple[str, ...] = tuple(_SPECS)

@@ -13,9 +13,7 @@ from vllm_bole.adapter.layers.recurrent import RecurrentLayer
 
 
 class GDNLayer(RecurrentLayer):
-    @staticmethod
-    def matches(module) -> bool:
-        return "GatedDeltaNetAttention" in {c.__name__ for c in type(module).__mro__}
+    vllm_class = "GatedDeltaNetAttention"
 
     def _install(self) -> None:
         layer = self.module

@@ -13,9 +13,7 @@ INF = float("inf")
 
 
 class Mamba2Layer(RecurrentLayer):
-    @staticmethod
-    def matches(module) -> bool:
-        return "MambaMixer2" in {c.__name__ for c in type(module).__mro__}
+    vllm_class = "MambaMixer2"
 
     def _install(self) -> None:
         layer = self.module

@@ -39,6 +39,12 @@ class RecurrentLayer:
     """Base of :class:`~.mamba2.Mamba2Layer` and :class:`~.gdn.GDNLayer`; subclasses give the state
     view, the pending buffer and the stash / commit of their kind."""
 
+    vllm_class: str  # the vLLM module class (anywhere in the module's MRO) this kind replaces
+
+    @classmethod
+    def matches(cls, module) -> bool:
+        return cls.vllm_class in {c.__name__ for c in type(module).__mro__}
+
     def __init__(self, name: str, module, group: int, active: ActiveStep, max_path: int):
         self.name, self.module, self.group, self.active = name, module, group, active
         self.max_path = max_path  # depth + 1: the longest accepted path (root included)

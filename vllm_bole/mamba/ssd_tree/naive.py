@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_bole.pending import live_pending, pending_rows
-from vllm_bole.tree_views import pad_nodes, padded_tree
+from vllm_bole.tree_views import padded_tree
 
 INF = float("inf")
 
@@ -44,8 +44,7 @@ def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_s
         state[sl] = S.to(state.dtype)
     if tree is None:
         return None
-    idx, valid, M = padded_tree(tree)
-    pad = lambda t: pad_nodes(t, idx, valid, ft)  # noqa: E731
+    pad, valid, M = padded_tree(tree, ft)
     X = pad(x)  # [B, H, n, P]
     dtt = pad(dt_effective(dt, dt_bias, dt_softplus, dt_limit, ft))  # [B, H, n]
     Bt, Ct = pad(heads(B.to(ft))), pad(heads(C.to(ft)))  # [B, H, n, N]
