@@ -182,7 +182,8 @@ def _stats(llm, req):
 def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     if after is None:
         return None
-    out = {k: v - before[k] for k, v in after.items() if k != "accept_log"}
+    """Counters as differences; the accept log from where it stood; other values (lists) as they are now."""
+    out = {k: v - before[k] if isinstance(v, (int, float)) else v for k, v in after.items()}
     out["accept_log"] = after["accept_log"][len(before["accept_log"]):]
     return out
 
