@@ -266,6 +266,15 @@ def test_config_accepts_dashes_and_defaults():
     assert is_tree_spec({"method": "bole_tree"}) and not is_tree_spec({"method": "ngram"}) and not is_tree_spec(None)
 
 
+@pytest.mark.parametrize("extra", [dict(budget=3), dict(eps=None, min_budget=2), dict(top_k=2, kernels="torch")])
+def test_config_survives_its_dump(extra):
+    """The config hook hands the workers ``model_dump()``; the worker parses it again."""
+    from vllm_bole.config import TreeSpecConfig, parse_config
+
+    c = parse_config(dict(method="bole_tree", drafter="ngram", num_speculative_tokens=3, **extra))
+    assert TreeSpecConfig(**c.model_dump()) == c
+
+
 def _metric(lines: list[str], name: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.split("{")[0].split(" ")[0] == name)
 

@@ -83,7 +83,9 @@ class TreeSpecConfig(BaseModel):
         if self.min_budget > self.num_speculative_tokens:
             raise ValueError(f"min_budget: {self.min_budget} must be <= num_speculative_tokens "
                              f"({self.num_speculative_tokens})")
-        if self.budget != "auto" and ("eps" in self.model_fields_set or "min_budget" in self.model_fields_set):
+        defaults = TreeSpecConfig.model_fields  # values, not set-ness: the config travels as a dump
+        if self.budget != "auto" and (self.eps != defaults["eps"].default or
+                                      self.min_budget != defaults["min_budget"].default):
             raise ValueError("eps, min_budget: only allowed with budget 'auto' (budget is "
                              f"{self.budget})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
