@@ -136,3 +136,14 @@ def test_draft_trees_cut_to_the_chosen_budgets():
     assert (tree.cu_nodes.diff() == ch.budgets + 1).all() and ch.budgets[2] == 0
     full, none = draft_trees(_Fixed(cands), roots, [[1]] * B, [D] * B, 12, max_depth=D)
     assert none is None and full.token_ids.numel() >= tree.token_ids.numel()
+
+
+def test_drafting_time_counts_against_the_step():
+    """Compute-bound steps: a draft node pays only if its rho beats the tokens per token so far, so
+    none does; with a drafting time that dwarfs the step, every node does."""
+    g = torch.Generator().manual_seed(5)
+    full = best_first_slots(torch.arange(4), random_candidates(g, 4, 6, 4), 16, max_depth=6)
+    ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None)
+    assert ctl.choose(full.logrho, full.valid, [50] * 4).total == 0
+    ctl.draft_s = 1e3
+    assert ctl.choose(full.logrho, full.valid, [50] * 4).total == int(full.valid.sum()) - 4

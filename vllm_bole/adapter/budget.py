@@ -38,7 +38,6 @@ class StepBudget:
         self.config = config
         self.ctl: BudgetController | None = None
         self.t0: float | None = None
-        self.draft_s = 0.0  # exponentially weighted drafting time per step
         self.predicted_s: float | None = None
         self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], observed_steps=0,
                           predicted_step_s=0.0, measured_step_s=0.0)
@@ -82,7 +81,10 @@ class StepBudget:
         self.predicted_s = choice.predicted_s
 
     def drafted(self, seconds: float) -> None:
-        self.draft_s = seconds if self.stats["budget_steps"] <= 1 else 0.8 * self.draft_s + 0.2 * seconds
+        """One drafting step took ``seconds``: the controller's drafting time, exponentially weighted."""
+        if self.ctl is not None:
+            c = self.ctl
+            c.draft_s = seconds if c.draft_s == 0 else 0.8 * c.draft_s + 0.2 * seconds
 
     def start(self) -> None:
         self.t0 = time.perf_counter()

@@ -137,7 +137,6 @@ class BudgetController:
         cand &= n >= forced
         if self.eps is not None:
             cand &= cost <= (1 + self.eps) * cost[0]
-            cand[0] |= forced == 0
         if not cand.any():
             cand[forced] = True
         tput = expected / (cost + self.draft_s)
