@@ -5,6 +5,7 @@ Run on the device after the vLLM bundle install (``../shared/tools/vllm-gpu/READ
 
     python3 benchmarks/device/vllm_gpu_e2e.py --part eager --serve                 # rows, mixed, serve
     python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-mixed --soak-seconds 300 --prior A.json
+    python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-mixed --sequential --arch llama --prior B.json
 
 Each part stores its result under /tmp/bole_e2e (it survives between runs while the machine stays
 warm) and writes ``$OUT/vllm_gpu_e2e.json`` from every part present, so the last run returns the
@@ -203,7 +204,8 @@ def mixed_case(arch, model, prompts) -> dict:
                 prefill_mixed_tree_steps=st["prefill_mixed_tree_steps"], accepted=st["accepted"])
 
 
-def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, soak_s: float | None) -> None:
+def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, soak_s: float | None,
+                workers: int | None = None) -> None:
     """The architectures in parallel (one thread each, engines one after another within it; the
     mixed-batch cases and the server in threads of their own), and the soak beside them when
     ``soak_s`` is given. Everything is saved as it finishes (``SAVE``)."""
@@ -214,7 +216,7 @@ def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, 
         jobs.append(lambda: SAVE.set("serve", serve_case(models["llama"])))
     if soak_s is not None:
         jobs.append(lambda: part_soak(models, soak_s))
-    with ThreadPoolExecutor(len(jobs)) as pool:
+    with ThreadPoolExecutor(workers or len(jobs)) as pool:
         for f in [pool.submit(j) for j in jobs]:
             f.result()
 
@@ -361,6 +363,7 @@ def main() -> int:
     ap.add_argument("--mixed", action="append", choices=ARCHS, help=f"mixed-batch cases (default: {MIXED_ARCHS})")
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--serve", action="store_true", help="vllm serve with and without speculation (Llama)")
+    ap.add_argument("--sequential", action="store_true", help="one engine at a time: step times of a lone engine")
     ap.add_argument("--prior", action="append", default=[], type=Path,
                     help="an earlier run's vllm_gpu_e2e.json (another warm stay): kept, except what this run redoes")
     ap.add_argument("--soak-seconds", type=float, default=None, help="run the soak (and the server) beside")
@@ -372,7 +375,8 @@ def main() -> int:
     STORE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     SAVE.start(args.part, dict(max_tokens=MAX_TOKENS, budget=BUDGET, depth=DEPTH, capture_sizes=CAPTURE,
-                               fp32_env=engine_env("float32"), cases=PARTS[args.part], concurrent_engines=True))
+                               fp32_env=engine_env("float32"), cases=PARTS[args.part],
+                               concurrent_engines=not args.sequential))
     archs = args.arch or list(ARCHS)
     mixed = [] if args.no_mixed else args.mixed or list(MIXED_ARCHS)
     for f in args.prior:
@@ -381,7 +385,7 @@ def main() -> int:
         need = set(archs) | set(mixed) | ({"llama"} if args.serve else set()) | (
             {"nemotron_h"} if args.soak_seconds is not None else set())
         models = engine_run.build_models(STORE / "tiny", [a for a in ARCHS if a in need])
-        part_matrix(args.part, models, archs, mixed, args.serve, args.soak_seconds)
+        part_matrix(args.part, models, archs, mixed, args.serve, args.soak_seconds, 1 if args.sequential else None)
     except Exception:  # noqa: BLE001 - keep what the part knows
         SAVE.set("error", traceback.format_exc()[-4000:])
     SAVE.set("seconds", time.monotonic() - t0)

@@ -204,19 +204,9 @@ def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int,
     return s
 
 
-def best_first_tree(
-    root_tokens: Sequence[int] | torch.Tensor,
-    candidates: Candidates,
-    budget,
-    *,
-    max_depth: int | None = None,
-    top_k: int | None = None,
-    total_budget: int | None = None,
-) -> TreeBatch:
-    """The runtime draft trees: best-first over per-depth candidates (module docstring); the
-    :class:`TreeBatch` of :func:`best_first_slots`."""
-    return best_first_slots(root_tokens, candidates, budget, max_depth=max_depth, top_k=top_k,
-                            total_budget=total_budget).tree()
+def best_first_tree(root_tokens: Sequence[int] | torch.Tensor, candidates: Candidates, budget, **options) -> TreeBatch:
+    """The runtime draft trees: :func:`best_first_slots` (same arguments) as a :class:`TreeBatch`."""
+    return best_first_slots(root_tokens, candidates, budget, **options).tree()
 
 
 def best_first_slots(
