@@ -68,8 +68,13 @@ def test_greedy_equal_and_target_drafter_accepts_every_node(engines, arch):
           f"{verdict.summary()}, {ours['seconds']:.0f} s")
     assert st["tree_steps"] >= MAX_TOKENS // (DEPTH + 1)  # nearly every step verifies trees
     assert st["accepted"] >= len(PROMPTS) * MAX_TOKENS // 4  # the chain is accepted, not just the bonus
+    br = st["branch_by_depth"]  # counted since the engine started; the greedy job is its first
+    print(f"{arch}: per depth, main path accepted/reached {list(zip(br['main_accepted'], br['main_reached']))}, "
+          f"siblings {list(zip(br['sibling_accepted'], br['sibling_reached']))}")
+    assert sum(br["main_accepted"]) + sum(br["sibling_accepted"]) == st["accepted"]
     if checkpoint_dtype(arch) == "float32":
         assert full == n, [x for x in st["accept_log"] if x[1] != x[2]][:5]
+        assert not any(br["sibling_accepted"]) and br["main_reached"][0] > 0  # greedy: the main path is the argmax
     else:
         assert full >= 0.8 * n
 

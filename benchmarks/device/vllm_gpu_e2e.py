@@ -152,7 +152,7 @@ def arch_matrix(arch: str, model: Path, cases: list) -> dict:
                        streams=v.streams, partings=v.partings, engine_start_s=ours["start_s"],
                        tree_steps=st["tree_steps"], drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                        verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
-                       draft_ms=1000 * st["draft_s"] / max(st["steps"], 1))
+                       draft_ms=1000 * st["draft_s"] / max(st["steps"], 1), branch_by_depth=st.get("branch_by_depth"))
             if bf16:
                 row.update(noise=v.noise, worst_margin_change=v.worst)
             if drafter == "draft_model" and not bf16:

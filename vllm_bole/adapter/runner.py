@@ -48,9 +48,12 @@ from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tre
 from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
 from vllm_bole.attention.tree_attention import tree_slot_mapping
 from vllm_bole.config import TreeSpecConfig
+from vllm_bole.spec_decode.branch_stats import COLUMNS as BRANCH_COLUMNS
+from vllm_bole.spec_decode.branch_stats import branch_counts
 from vllm_bole.spec_decode.draft_model import HFDraftModel
 from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.step import commit, draft_trees, verify_tree
+from vllm_bole.spec_decode.tree import MAX_DEPTH
 
 logger = logging.getLogger("vllm_bole")
 NGRAM_WINDOW = 4096  # context tokens the n-gram drafter searches (the most recent)
@@ -89,6 +92,7 @@ class TreeRunnerMixin:
                                 verified_requests=0, draft_s=0.0, verify_commit_s=0.0)
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
+        self._bole_branch = torch.zeros(MAX_DEPTH + 1, len(BRANCH_COLUMNS), dtype=torch.long)  # per depth
         top_k = min(config.top_k or config.num_speculative_tokens, MAX_TOP_K)
         self._bole_drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max, top_k=top_k,
                                           window=NGRAM_WINDOW) if config.drafter == "ngram" else None
@@ -287,6 +291,7 @@ class TreeRunnerMixin:
         st["accepted"] += sum(acc)
         for r, rid in enumerate(step.req_ids):
             self._bole_accept_log.append((rid, step.chain_len[r], acc[r]))
+        self._bole_branch += branch_counts(tree, res)
         if self._bole_budget is not None:
             self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
                                       float(step.prefix_len.sum()))
@@ -310,11 +315,15 @@ class TreeRunnerMixin:
 
     def bole_stats(self) -> dict:
         """Counters (steps, tree steps, drafted nodes, accepted nodes) and the per-step log of
-        (request, drafted greedy-chain length, accepted draft nodes); with ``budget: "auto"`` the
+        (request, drafted greedy-chain length, accepted draft nodes); ``branch_by_depth``: per depth
+        1..max_depth, main-path and sibling nodes reached and accepted (``spec_decode.branch_stats``,
+        since the engine started); with ``budget: "auto"`` the
         controller's counters (budget_steps, budget_nodes, budget_last: the latest per-request
         budgets, observed_steps, predicted_step_s / measured_step_s: sums over observed steps)."""
         budget = self._bole_budget.stats if self._bole_budget is not None else {}
-        return dict(self._bole_stats, **budget, accept_log=list(self._bole_accept_log))
+        depth = slice(1, self.bole_config.depth + 1)
+        branch = {c: self._bole_branch[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}
+        return dict(self._bole_stats, **budget, branch_by_depth=branch, accept_log=list(self._bole_accept_log))
 
     # ------------------------------------------------------------------ tree step
     def _bole_build_step(self, scheduler_output, num_scheduled_tokens) -> TreeStep | None:
