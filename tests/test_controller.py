@@ -147,3 +147,23 @@ def test_drafting_time_counts_against_the_step():
     assert ctl.choose(full.logrho, full.valid, [50] * 4).total == 0
     ctl.draft_s = 1e3
     assert ctl.choose(full.logrho, full.valid, [50] * 4).total == int(full.valid.sum()) - 4
+
+
+def test_exploration_measures_the_next_bucket():
+    g = torch.Generator().manual_seed(5)
+    full = best_first_slots(torch.arange(4), random_candidates(g, 4, 6, 4), 16, max_depth=6)
+    ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None,
+                           buckets=[4, 8, 16, 32, 64, 128], explore_every=2)
+    first, second, third = (ctl.choose(full.logrho, full.valid, [50] * 4) for _ in range(3))
+    assert first.total == third.total == 0 and second.bucket == 8 and second.total == 4
+
+
+def test_active_params_of_an_moe():
+    from types import SimpleNamespace
+
+    from vllm_bole.adapter.budget import active_params
+
+    params = [torch.zeros(8, 6, 4), torch.zeros(10, 3), torch.zeros(5, 6, 4)]  # 8 experts; a 3-D non-expert
+    assert active_params(params, SimpleNamespace(num_experts=8, num_experts_per_tok=2)) == 48 + 30 + 120
+    assert active_params(params, SimpleNamespace(num_local_experts=8, num_experts_per_tok=2)) == 48 + 30 + 120
+    assert active_params(params, SimpleNamespace()) == 192 + 30 + 120

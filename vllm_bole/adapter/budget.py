@@ -28,6 +28,17 @@ def device_roofline(device: torch.device) -> tuple[float, float]:
     return next((v for k, v in DEVICES.items() if k in name), DEVICES["A100"])
 
 
+def active_params(params, hf_config) -> float:
+    """Parameters one token touches: an expert tensor (3-D, one slice per expert) counts
+    ``experts_per_token / experts`` of itself."""
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    k = next((getattr(cfg, a) for a in ("num_experts_per_tok", "moe_topk") if getattr(cfg, a, None)), None)
+    e = next((getattr(cfg, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
+              if getattr(cfg, a, None)), None)
+    share = k / e if k and e else 1.0
+    return float(sum(p.numel() * (share if k and e and p.dim() == 3 and p.shape[0] == e else 1.0) for p in params))
+
+
 def _state_bytes(layer) -> int:
     """Bytes of one request's state (every tensor of the layer's cache, one slot)."""
     return sum(t[0].numel() * t.element_size() for t in layer.module.kv_cache)
@@ -62,7 +73,7 @@ class StepBudget:
         device = torch.device(runner.device)
         bw, peak = device_roofline(device)
         return Roofline(weight_bytes=sum(p.numel() * p.element_size() for p in params),
-                        params_active=sum(p.numel() for p in params), kv_bytes_per_token=kv,
+                        params_active=active_params(params, runner.model_config.hf_config), kv_bytes_per_token=kv,
                         attn_flops_per_pair=pair, state_bytes=state, bandwidth=bw, peak_flops=peak,
                         overhead_s=OVERHEAD_S.get(device.type, 1e-3))
 

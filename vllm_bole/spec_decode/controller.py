@@ -15,7 +15,9 @@ requests' context lengths and its measured step times.
   estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting time)``, among totals
   whose verify cost stays within ``(1 + eps)`` times a plain decode step of the same batch (Bole's
   cap), on bucket boundaries only (padding to a bucket costs the same as filling it). A request
-  with poor acceptance scores low and gets a small tree; one without candidates gets none.
+  with poor acceptance scores low and gets a small tree; one without candidates gets none. Every
+  16th choice explores the next larger bucket (the cap still holds), so a prior that overrates the
+  cost of larger buckets (an MoE model's inactive experts, say) gets corrected by measurement.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ class Choice:
 
 class BudgetController:
     def __init__(self, cost: StepCostModel, *, min_per_request: int = 0, eps: float | None = 1.0,
-                 buckets: Sequence[int] | None = None):
+                 buckets: Sequence[int] | None = None, explore_every: int | None = 16):
         if not min_per_request >= 0:
             raise ValueError(f"min_per_request: must be >= 0 (got {min_per_request})")
         if eps is not None and not eps >= 0:
@@ -96,6 +98,9 @@ class BudgetController:
         self.cost, self.min, self.eps = cost, min_per_request, eps
         self.buckets = torch.tensor(sorted(set(buckets)), dtype=torch.long) if buckets else None
         self.draft_s = 0.0  # drafting time per step (the engine keeps it current)
+        # every ``explore_every``-th choice takes the next larger allowed bucket, so that buckets the
+        # prior overrates get measured (a correction is only learnt where steps ran)
+        self.explore_every, self.choices = explore_every, 0
 
     def bucket(self, tokens: torch.Tensor) -> torch.Tensor:
         """The padded token count of forwards over ``tokens`` tokens."""
@@ -141,6 +146,10 @@ class BudgetController:
             cand[forced] = True
         tput = expected / (cost + self.draft_s)
         best = int(torch.where(cand, tput, -math.inf).argmax())
+        self.choices += 1
+        if self.explore_every and self.choices % self.explore_every == 0:
+            larger = (cand & (bucket > bucket[best])).nonzero()
+            best = int(larger[0]) if larger.numel() else best
         budgets = torch.bincount(node_req[:best], minlength=B)
         return Choice(budgets=budgets, total=best, bucket=int(bucket[best]), predicted_s=float(cost[best]),
                       prior_s=float(prior[best]), expected_tokens=float(expected[best]))
