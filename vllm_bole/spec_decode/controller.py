@@ -117,7 +117,7 @@ class BudgetController:
         kv = torch.as_tensor(kv_lens, dtype=torch.float64).flatten()
         if kv.numel() != B:
             raise ValueError(f"kv_lens: {kv.numel()} lengths for {B} requests")
-        lr = torch.where(valid, logrho.double().cpu(), -math.inf)[:, 1:]
+        lr = torch.where(valid.cpu(), logrho.double().cpu(), -math.inf)[:, 1:]  # the trees may live on the GPU
         # each request's draft nodes by score; the first ``min`` are taken first, then the batch by score
         key = lr.sort(dim=1, descending=True, stable=True).values
         rank = torch.arange(key.shape[1])[None, :].expand_as(key)
