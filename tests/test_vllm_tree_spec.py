@@ -161,14 +161,21 @@ def test_constrained_greedy_equal(engines, arch):
 def test_preemption_keeps_outputs(engines, models):
     """A KV cache too small for the batch (12 blocks of 64 attention tokens): vLLM preempts running
     requests and recomputes them on resumption; every stream still equals non-speculative vLLM. With
-    ``budget: "auto"``: the controller's ragged, timing-dependent budgets change no output."""
+    ``budget: "auto"``: the controller's ragged, timing-dependent budgets change no output. Then the
+    same engine switched in place to a fixed budget of 1 (``bole_set_budget``): still equal, one node
+    per tree, the controller idle."""
     arch = "nemotron_h"
     base = engines.run(arch, "base")["greedy"]
-    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS)],
+    jobs = [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS),
+            engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, budget=1)]
+    r = engine_run.run_engine(models[arch], jobs,
                               spec=spec_config("draft_model", models[arch], budget="auto", min_budget=1),
                               llm_kwargs=dict(num_gpu_blocks_override=12, block_size=16))
-    ours = r["jobs"][0]
+    ours, fixed = r["jobs"]
     _check_equal(arch, dict(tokens=base["tokens"]), ours)
+    _check_equal(arch, dict(tokens=base["tokens"]), fixed)
+    f = fixed["stats"]
+    assert 0 < f["drafted_nodes"] <= f["verified_requests"] and f["budget_steps"] == 0
     st = ours["stats"]
     print(f"{arch} preemption: {st['resumed_requests']} resumed requests, {st['tree_steps']} tree steps; controller: "
           f"{st['budget_nodes']} nodes in {st['budget_steps']} steps, last {st['budget_last']}, predicted "

@@ -32,7 +32,8 @@ matrix, per tiny architecture (``vllm_bole.testing.tiny_models``; 8 prompts of m
   abort, and a KV cache small enough to preempt (NemotronH, Qwen3-Next, fp32, CUDA graphs): every
   greedy request unchanged.
 
-soak: one engine with tree speculation (NemotronH fp32, CUDA graphs, a small KV cache) for at least
+soak: one engine with tree speculation (NemotronH fp32, CUDA graphs, a small KV cache, n-gram drafts,
+``budget: "auto"``: the budget controller under a changing batch) for at least
 5 minutes: requests arrive at random, some are aborted at random, greedy and sampled, with and
 without penalties and stop strings; each greedy request is then run alone without speculation and
 must be equal; GPU memory is sampled after warm-up. Then ``vllm serve`` with and without
@@ -225,7 +226,7 @@ def part_soak(models: dict, seconds: float) -> None:
     arch, model = "nemotron_h", models["nemotron_h"]
     prompts = _prompts(model)
     kw = dict(num_gpu_blocks_override=64, block_size=16, max_num_seqs=24)  # each sequence holds a Mamba block
-    ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=spec("ngram", model), **kw)
+    ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=dict(spec("ngram", model), budget="auto"), **kw)
     if "error" in ours:
         SAVE.set("soak", dict(ok=False, error=ours["error"]))
         return

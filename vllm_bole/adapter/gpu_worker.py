@@ -16,7 +16,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker as _GPUWorker
 
 from vllm_bole.adapter.config_hook import V2_ENV
-from vllm_bole.adapter.worker import bole_stats_rpc, model_side_config, runner_class, tree_config_of
+from vllm_bole.adapter.worker import (bole_set_budget_rpc, bole_stats_rpc, model_side_config, runner_class,
+                                     tree_config_of)
 
 BoleGPUModelRunner = runner_class(GPUModelRunner)
 _CPU_PATCH = "vllm.v1.worker.cpu.shm"  # vLLM's CPU worker's process-wide torch.cuda placeholders
@@ -42,3 +43,4 @@ class BoleGPUWorker(_GPUWorker):
         return BoleGPUModelRunner(self.vllm_config, self.device)
 
     bole_stats = bole_stats_rpc
+    bole_set_budget = bole_set_budget_rpc

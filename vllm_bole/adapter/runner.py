@@ -67,7 +67,6 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------------------ setup
     def _bole_setup(self, config: TreeSpecConfig) -> None:
-        self.bole_config = config
         if getattr(self, "use_async_scheduling", False):
             raise RuntimeError("vllm-bole tree speculation needs async scheduling off (the config hook sets it)")
         if getattr(self, "uses_mrope", False):
@@ -80,7 +79,8 @@ class TreeRunnerMixin:
         if getattr(self.model_config, "logits_processors", None):
             raise NotImplementedError("vllm-bole tree speculation does not support custom logits processors")
         self._bole_logprobs_mode = logprobs_mode
-        self._bole_budget = StepBudget(config) if config.fixed_budget is None else None
+        self._bole_auto: StepBudget | None = None  # kept across budget switches (its corrections with it)
+        self._bole_set_config(config)
         self._bole_active = ActiveStep()
         self._bole_step: TreeStep | None = None
         self._bole_drafted = None  # (TreeBatch of the last drafts, {req id: row}, flat drafts per row)
@@ -96,6 +96,22 @@ class TreeRunnerMixin:
         top_k = min(config.top_k or config.num_speculative_tokens, MAX_TOP_K)
         self._bole_drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max, top_k=top_k,
                                           window=NGRAM_WINDOW) if config.drafter == "ngram" else None
+
+    def _bole_set_config(self, config: TreeSpecConfig) -> None:
+        self.bole_config = config
+        if config.fixed_budget is None and self._bole_auto is None:
+            self._bole_auto = StepBudget(config)
+        self._bole_budget = self._bole_auto if config.fixed_budget is None else None
+
+    def bole_set_budget(self, budget) -> int | str:
+        """Switch the node budget between steps: ``"auto"`` or an integer <= ``num_speculative_tokens``
+        (validated as the config field; depth, drafter and KV slots unchanged). Benchmarks sweep budgets
+        in one engine with it (``collective_rpc("bole_set_budget", args=(8,))``)."""
+        fields = dict(self.bole_config.model_dump(), budget=budget)
+        if budget != "auto":
+            fields.update({k: TreeSpecConfig.model_fields[k].default for k in ("eps", "min_budget")})
+        self._bole_set_config(TreeSpecConfig(**fields))
+        return self.bole_config.budget
 
     def _bole_load_drafter(self) -> None:
         cfg = self.bole_config
@@ -320,7 +336,7 @@ class TreeRunnerMixin:
         since the engine started); with ``budget: "auto"`` the
         controller's counters (budget_steps, budget_nodes, budget_last: the latest per-request
         budgets, observed_steps, predicted_step_s / measured_step_s: sums over observed steps)."""
-        budget = self._bole_budget.stats if self._bole_budget is not None else {}
+        budget = self._bole_auto.stats if self._bole_auto is not None else {}
         depth = slice(1, self.bole_config.depth + 1)
         branch = {c: self._bole_branch[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}
         return dict(self._bole_stats, **budget, branch_by_depth=branch, accept_log=list(self._bole_accept_log))

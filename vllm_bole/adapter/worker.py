@@ -69,3 +69,8 @@ def runner_class(base):
 def bole_stats_rpc(self) -> dict:
     """Worker method (``collective_rpc("bole_stats")``): the tree runner's counters."""
     return self.model_runner.bole_stats()
+
+
+def bole_set_budget_rpc(self, budget) -> int | str:
+    """Worker method (``collective_rpc("bole_set_budget", args=(budget,))``): see the runner's."""
+    return self.model_runner.bole_set_budget(budget)

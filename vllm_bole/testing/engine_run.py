@@ -69,12 +69,15 @@ def build_models(out_dir, archs=None, timeout: float = 600) -> dict[str, Path]:
 
 
 def generate_job(prompts, max_tokens: int = 64, *, logprobs: int | None = None, sampling: dict | list | None = None,
-                 rescore: int | None = None) -> dict:
+                 rescore: int | None = None, budget: int | str | None = None, concurrency: int | None = None,
+                 ignore_eos: bool = True) -> dict:
     """``sampling``: extra ``SamplingParams`` fields for every prompt, or a list of them, one per prompt.
     A ``stop_token_ids`` value ``{"from_job": j, "prompt": p, "start": a, "end": b}`` means the distinct
-    tokens ``a:b`` of an earlier job's stream ``p``."""
+    tokens ``a:b`` of an earlier job's stream ``p``. ``budget``: the tree node budget from this job on
+    (``bole_set_budget``). ``concurrency``: prompts go in groups of that many, one ``generate`` each."""
     return dict(kind="generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
-                sampling=sampling or {}, rescore=rescore)
+                sampling=sampling or {}, rescore=rescore, budget=budget, concurrency=concurrency,
+                ignore_eos=ignore_eos)
 
 
 def mixed_job(requests: list[dict], max_tokens: int) -> dict:
@@ -174,9 +177,19 @@ def _llm(req):
 
 
 def _stats(llm, req):
-    if req["spec"] is None:
+    if (req["spec"] or {}).get("method") != "bole_tree":
         return None
     return llm.collective_rpc("bole_stats")[0]
+
+
+def _counters(llm) -> dict:
+    """vLLM's spec-decode counters (``disable_log_stats=False`` engines; else empty)."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - stats logging off
+        return {}
+    return {m.name: m.value for m in metrics if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")
+            and isinstance(m.value, (int, float))}
 
 
 def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
@@ -206,7 +219,7 @@ def _generate(llm, job, done: list) -> dict:
     per_prompt = job["sampling"] if isinstance(job["sampling"], list) else [job["sampling"]] * len(job["prompts"])
     params = []
     for extra in per_prompt:
-        sp = dict(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+        sp = dict(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", True))
         sp.update(extra)
         if "logit_bias" in sp:  # JSON object keys arrive as strings
             sp["logit_bias"] = {int(t): b for t, b in sp["logit_bias"].items()}
@@ -215,8 +228,10 @@ def _generate(llm, job, done: list) -> dict:
         if job["logprobs"]:
             sp["logprobs"] = job["logprobs"]
         params.append(SamplingParams(**sp))
-    t0 = time.monotonic()
-    outs = llm.generate([dict(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+    t0, outs, group = time.monotonic(), [], job.get("concurrency") or len(job["prompts"])
+    for g in range(0, len(params), group):
+        outs += llm.generate([dict(prompt_token_ids=p) for p in job["prompts"][g: g + group]], params[g: g + group],
+                             use_tqdm=False)
     out = dict(tokens=[list(o.outputs[0].token_ids) for o in outs], generate_s=time.monotonic() - t0, top=None)
     if job["logprobs"]:
         out["top"] = [_top_rows(o.outputs[0].logprobs) for o in outs]
@@ -330,10 +345,16 @@ def _run(req) -> dict:
             out["driver"] = dict(pid=os.getpid(), registered=vllm_bole.plugin._registered)
             out["workers"] = llm.collective_rpc("vllm_bole_probe")
         for job in req["jobs"]:
-            before, t1 = _stats(llm, req), time.monotonic()
+            if job.get("deadline") and time.time() > job["deadline"]:
+                out["jobs"].append(dict(skipped="deadline"))
+                continue
+            if job.get("budget") is not None:
+                llm.collective_rpc("bole_set_budget", args=(job["budget"],))
+            before, counters, t1 = _stats(llm, req), _counters(llm), time.monotonic()
             res = dict(generate=_generate, mixed=_mixed, soak=_soak)[job["kind"]](llm, job, out["jobs"])
             res["seconds"] = time.monotonic() - t1
             res["stats"] = _stats_delta(before, _stats(llm, req))
+            res["counters"] = {k: v - counters.get(k, 0) for k, v in _counters(llm).items()}
             out["jobs"].append(res)
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,323 @@
+"""End-to-end decoding speed inside vLLM 0.33 on the H200: no speculation (``ar``), vLLM's own chain
+speculation (``vllm_chain``) and vllm-bole's trees (``bole_tree``; ``bole_chain``: our verifier on
+chain-shaped trees, ``top_k`` 1), on the trained pair of ``benchmarks/train_pair.py``.
+
+    python3 benchmarks/bench_e2e.py --part trees --pair /tmp/pair --data .pair/data   # ar, bole_tree x 2 drafters
+    python3 benchmarks/bench_e2e.py --part chains --pair /tmp/pair --data .pair/data  # vllm_chain, bole_chain
+    python3 benchmarks/bench_e2e.py --plot benchmarks/results                          # the plots, on the CPU
+    python3 benchmarks/bench_e2e.py --part all --pair /tmp/pair_tiny --eager --dtype float32 --quick  # CPU dry run
+
+Every engine runs in its own subprocess (``vllm_bole.testing.engine_run``), one after another (the
+GPU is the engine's alone while it is timed), CUDA graphs on (vLLM's default FULL_AND_PIECEWISE; tree
+steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
+every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
+(dataset, temperature, concurrency): ``concurrency`` prompts per ``LLM.generate`` call, 128 new tokens
+each (``ignore_eos``), ``max(concurrency, REQUESTS_MIN)`` requests per cell; datasets MT-Bench first
+turns, HumanEval prompts, held-out ShareGPT first turns (chat template; ``pair_data.py``).
+
+Engines and cells (``ENGINES``): ``ar`` and ``vllm_chain`` (n-gram and ``draft_model`` at
+``num_speculative_tokens`` in ``CHAIN_K``, a sweep; a mode vLLM refuses or fails on the hybrid is
+recorded with its error) decode every cell. One ``bole_tree`` engine per drafter sweeps the node
+budget in place (``bole_set_budget``; the same engine, so the same graphs and caches) over
+``BUDGETS`` on the sweep cells (MT-Bench and HumanEval, greedy), then runs ``budget: "auto"`` (the
+budget controller) on every cell. Order is by importance and every engine checks a deadline, so a
+run cut short still writes what it measured; unmeasured cells are absent.
+
+Per cell: ``tokens_per_s`` (output tokens / generate seconds), ``accept_len`` (tokens per request
+per target step: 1 for ``ar``; vLLM's spec-decode counters for ``vllm_chain``; the tree runner's
+counters for ours), ``tpot_ms`` (generate seconds per call / new tokens, averaged: the time per
+output token a request of that call saw, first token included), and for ours the split per step:
+``draft_ms``, ``verify_commit_ms`` (tree verification and commit of the recurrent layers, inside the
+step), ``step_ms`` (whole engine step). Writes ``$OUT/e2e_throughput.json`` (``rows``: ``mode,
+drafter, budget, batch, dataset, temperature, tokens_per_s, accept_len, tpot_ms``, ...) and
+``$OUT/controller.json`` (``rows``: ``batch, dataset, controller_tps, best_fixed_tps,
+best_fixed_budget, global_fixed_tps`` per drafter; ``chosen``: the controller's mean budgets).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_bole.testing import engine_run  # noqa: E402
+
+STORE = Path("/tmp/bole_bench")
+MAX_TOKENS, REQUESTS_MIN = 128, 4
+CONCURRENCY = (1, 8, 32, 128)
+DATASETS = ("mt_bench", "humaneval", "sharegpt")
+TEMPERATURES = (0.0, 1.0)
+CHAIN_K = (2, 4)
+BUDGETS = (2, 4, 8, 16, 32)
+MAX_DEPTH = 8
+SWEEP_DATASETS = ("mt_bench", "humaneval")
+CAPTURE = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+ENGINE_TIMEOUT_S = 560
+
+
+def cells(datasets=DATASETS, temperatures=TEMPERATURES, concurrency=CONCURRENCY) -> list[tuple]:
+    """(dataset, temperature, concurrency), most important first: MT-Bench greedy, then the rest."""
+    out = [(d, t, c) for t in temperatures for d in datasets for c in concurrency]
+    return sorted(out, key=lambda x: (x[1] != 0.0, x[0] != "mt_bench", DATASETS.index(x[0])))
+
+
+def prompts_for(prompts: dict, dataset: str, n: int) -> list[list[int]]:
+    ps = prompts[dataset]
+    return [ps[i % len(ps)] for i in range(n)]
+
+
+def job(prompts, dataset, temperature, conc, deadline, budget=None) -> dict:
+    n = max(conc, REQUESTS_MIN)
+    sampling = dict(temperature=temperature, seed=None) if temperature else {}
+    j = engine_run.generate_job(prompts_for(prompts, dataset, n), MAX_TOKENS, sampling=sampling, budget=budget,
+                                concurrency=conc)
+    j.update(deadline=deadline, cell=dict(dataset=dataset, temperature=temperature, batch=conc, budget=budget))
+    return j
+
+
+def engine_kwargs(args) -> dict:
+    kw = dict(dtype=args.dtype, enforce_eager=args.eager, max_model_len=2048, max_num_seqs=max(CONCURRENCY),
+              enable_prefix_caching=False, disable_log_stats=False, seed=0)
+    if not args.eager:
+        kw.update(compilation_config={"cudagraph_capture_sizes": CAPTURE}, kv_cache_memory_bytes=16 << 30,
+                  attention_backend="TRITON_ATTN", gpu_memory_utilization=0.5)
+    if "qwen3_next" in str(args.target):
+        kw["additional_config"] = {"gdn_prefill_backend": "triton"}
+    return kw
+
+
+def spec_for(mode: str, drafter: str, draft: Path, k: int | None = None) -> dict | None:
+    if mode == "ar":
+        return None
+    if mode == "vllm_chain":
+        if drafter == "ngram":
+            return dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=4)
+        return dict(method="draft_model", model=str(draft), num_speculative_tokens=k)
+    cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=max(BUDGETS), max_depth=MAX_DEPTH)
+    if mode == "bole_chain":
+        cfg["top_k"] = 1
+    if drafter == "draft_model":
+        cfg["model"] = str(draft)
+    return cfg
+
+
+def engines(part: str, quick: bool) -> list[dict]:
+    """The part's engines in order: {mode, drafter, k, jobs: [(cell..., budget)]}."""
+    full = cells(temperatures=(0.0,), datasets=("mt_bench",)) if quick else cells()
+    sweep = cells(datasets=("mt_bench",) if quick else SWEEP_DATASETS, temperatures=(0.0,))
+    budgets = (2, 8) if quick else BUDGETS
+    trees = [dict(mode="ar", drafter="none", k=None, cells=[c + (None,) for c in full])]
+    trees += [dict(mode="bole_tree", drafter=d, k=None,
+                   cells=[c + (b,) for b in budgets for c in sweep] + [c + ("auto",) for c in full])
+              for d in ("draft_model", "ngram")]
+    chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
+              for d in ("draft_model", "ngram") for k in CHAIN_K]
+    chains.append(dict(mode="bole_chain", drafter="draft_model", k=None,
+                       cells=[c + (b,) for b in (budgets[:3] if not quick else budgets) for c in sweep]))
+    return dict(trees=trees, chains=chains, all=trees + chains)[part]
+
+
+def row_of(eng: dict, cell: dict, res: dict) -> dict:
+    mode, conc = eng["mode"], cell["batch"]
+    toks = sum(map(len, res["tokens"]))
+    groups = -(-len(res["tokens"]) // conc)
+    row = dict(mode=mode, drafter=eng["drafter"], budget=cell["budget"] if mode.startswith("bole") else eng["k"],
+               batch=conc, dataset=cell["dataset"], temperature=cell["temperature"],
+               tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * res["generate_s"] / groups / MAX_TOKENS,
+               requests=len(res["tokens"]), tokens=toks, seconds=res["generate_s"])
+    st, cn = res.get("stats"), res.get("counters") or {}
+    if st:
+        row.update(accept_len=1 + st["accepted"] / max(st["verified_requests"], 1),
+                   step_ms=1000 * res["generate_s"] / max(st["steps"], 1),
+                   draft_ms=1000 * st["draft_s"] / max(st["steps"], 1),
+                   verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
+                   tree_steps=st["tree_steps"], drafted_nodes=st["drafted_nodes"], accepted=st["accepted"])
+        if cell["budget"] == "auto" and st.get("budget_steps"):
+            row.update(chosen_nodes_per_step=st["budget_nodes"] / st["budget_steps"],
+                       predicted_step_ms=1000 * st["predicted_step_s"] / max(st["observed_steps"], 1),
+                       measured_step_ms=1000 * st["measured_step_s"] / max(st["observed_steps"], 1))
+    elif mode == "vllm_chain":
+        drafts = cn.get("vllm:spec_decode_num_drafts", 0)
+        row.update(accept_len=1 + cn.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts if drafts else None,
+                   counters=cn)
+    else:
+        row["accept_len"] = 1.0
+    return row
+
+
+def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
+    jobs = [job(prompts, d, t, c, deadline, b) for d, t, c, b in eng["cells"]]
+    spec = spec_for(eng["mode"], eng["drafter"], args.draft, eng["k"])
+    base = dict(mode=eng["mode"], drafter=eng["drafter"], budget=eng["k"])
+    try:
+        out = engine_run.run_engine(args.target, jobs, spec=spec, llm_kwargs=engine_kwargs(args),
+                                    timeout=min(ENGINE_TIMEOUT_S, max(deadline - time.time() + 60, 30)))
+    except Exception as e:  # noqa: BLE001 - the mode's result is its error
+        row = dict(base, error=f"{type(e).__name__}: {e}"[-3000:])
+        print(_line(row), flush=True)
+        return [row]
+    rows = []
+    for j, res in zip(jobs, out["jobs"]):
+        if "skipped" not in res:
+            rows.append(dict(row_of(eng, j["cell"], res), engine_start_s=out["start_s"]))
+            print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def controller_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Per drafter, batch and swept dataset (greedy): the controller against the best fixed budget of
+    that cell and against the single fixed budget that is best over all cells (highest mean of
+    tokens/s relative to each cell's best)."""
+    out, chosen = [], []
+    for drafter in sorted({r["drafter"] for r in rows if r["mode"] == "bole_tree"}):
+        mine = [r for r in rows if r["mode"] == "bole_tree" and r["drafter"] == drafter and r["temperature"] == 0.0
+                and "error" not in r]
+        fixed = {(r["batch"], r["dataset"], r["budget"]): r["tokens_per_s"] for r in mine if r["budget"] != "auto"}
+        auto = {(r["batch"], r["dataset"]): r for r in mine if r["budget"] == "auto"}
+        keys = sorted({(b, d) for b, d, _ in fixed} & set(auto))
+        if not keys:
+            continue
+        best = {k: max((v, b) for (bb, d, b), v in fixed.items() if (bb, d) == k) for k in keys}
+        budgets = sorted({b for _, _, b in fixed})
+        score = {b: sum(fixed.get(k + (b,), 0) / best[k][0] for k in keys) for b in budgets}
+        glob = max(budgets, key=lambda b: score[b])
+        for k in keys:
+            a = auto[k]
+            out.append(dict(drafter=drafter, batch=k[0], dataset=k[1], controller_tps=a["tokens_per_s"],
+                            best_fixed_tps=best[k][0], best_fixed_budget=best[k][1],
+                            global_fixed_tps=fixed.get(k + (glob,)), global_fixed_budget=glob,
+                            ratio_best=a["tokens_per_s"] / best[k][0],
+                            ratio_global=a["tokens_per_s"] / fixed[k + (glob,)] if k + (glob,) in fixed else None,
+                            chosen_nodes_per_step=a.get("chosen_nodes_per_step")))
+        chosen += [dict(drafter=drafter, batch=r["batch"], dataset=r["dataset"],
+                        chosen_nodes_per_step=r.get("chosen_nodes_per_step"),
+                        chosen_per_request=(r.get("chosen_nodes_per_step") or 0) / r["batch"],
+                        predicted_step_ms=r.get("predicted_step_ms"), measured_step_ms=r.get("measured_step_ms"))
+                   for r in auto.values()]
+    return out, chosen
+
+
+def _line(r: dict) -> str:
+    return (f"{r['mode']:10s} {r['drafter']:11s} b={r.get('budget')!s:5s} c={r.get('batch')!s:4s} "
+            f"{r.get('dataset', ''):9s} T={r.get('temperature', '')!s:4s} {r.get('tokens_per_s', 0):9.1f} tok/s "
+            f"acc={r.get('accept_len') or 0:.2f} tpot={r.get('tpot_ms', 0):.2f}ms {r.get('error', '')[-300:]}")
+
+
+def _header(args) -> dict:
+    import torch
+    import triton
+
+    try:
+        from importlib.metadata import version
+
+        vllm = version("vllm")
+    except Exception:  # noqa: BLE001
+        vllm = None
+    pair = {}
+    f = Path(args.pair) / "train_pair.json"
+    if f.exists():
+        pair = {k: {kk: vv for kk, vv in v.items() if kk != "loss"} for k, v in json.loads(f.read_text())["models"].items()}
+    return dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", vllm=vllm,
+                torch=torch.__version__, triton=triton.__version__, commit=os.environ.get("BOLE_COMMIT"),
+                target=str(args.target), draft=str(args.draft), pair=pair,
+                settings=dict(max_tokens=MAX_TOKENS, requests_min=REQUESTS_MIN, concurrency=CONCURRENCY,
+                              chain_k=CHAIN_K, budgets=BUDGETS, max_depth=MAX_DEPTH, capture_sizes=CAPTURE,
+                              dtype=args.dtype, cuda_graphs=not args.eager, attention_backend="TRITON_ATTN",
+                              prefix_caching=False, ignore_eos=True))
+
+
+def save(args, rows_by_part: dict) -> None:
+    out = Path(os.environ.get("OUT", "."))
+    rows = [r for part in rows_by_part.values() for r in part["rows"]]
+    head = _header(args)
+    head["parts"] = {p: {k: v for k, v in d.items() if k != "rows"} for p, d in rows_by_part.items()}
+    (out / "e2e_throughput.json").write_text(json.dumps(dict(head, rows=rows), indent=1))
+    ctl, chosen = controller_rows(rows)
+    (out / "controller.json").write_text(json.dumps(dict(head, rows=ctl, chosen=chosen), indent=1))
+
+
+def plot(results: Path) -> None:
+    """``e2e_throughput.png`` (speedup over ``ar`` against concurrency, MT-Bench greedy, each mode and
+    drafter at its best setting per concurrency) and ``controller.png`` (chosen budget against
+    concurrency), from the JSON files in ``results``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in json.loads((results / "e2e_throughput.json").read_text())["rows"] if "error" not in r]
+    sel = [r for r in rows if r["dataset"] == "mt_bench" and r["temperature"] == 0.0]
+    ar = {r["batch"]: r["tokens_per_s"] for r in sel if r["mode"] == "ar"}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in sorted({(r["mode"], r["drafter"]) for r in sel if r["mode"] != "ar"}):
+        best = {}
+        for r in sel:
+            if (r["mode"], r["drafter"]) == key and r["batch"] in ar:
+                best[r["batch"]] = max(best.get(r["batch"], 0), r["tokens_per_s"] / ar[r["batch"]])
+        xs = sorted(best)
+        ax.plot(xs, [best[x] for x in xs], marker="o", label=f"{key[0]} ({key[1]})")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("speedup over AR (output tokens/s)")
+    ax.set_title("MT-Bench, greedy, H200, CUDA graphs")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(results / "e2e_throughput.png", dpi=120)
+    chosen = json.loads((results / "controller.json").read_text()).get("chosen", [])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in sorted({(c["drafter"], c["dataset"]) for c in chosen}):
+        pts = sorted((c["batch"], c["chosen_per_request"]) for c in chosen if (c["drafter"], c["dataset"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]}, {key[1]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("draft nodes per request per step (controller)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(results / "controller.png", dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("trees", "chains", "all"))
+    ap.add_argument("--pair", type=Path, default=Path("/tmp/pair"))
+    ap.add_argument("--target", default="nemotron_h", help="the pair's target: nemotron_h or qwen3_next")
+    ap.add_argument("--data", type=Path, default=Path(".pair/data"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (CPU dry runs)")
+    ap.add_argument("--quick", action="store_true", help="MT-Bench greedy only, two budgets (dry runs)")
+    ap.add_argument("--seconds", type=float, default=540, help="deadline for the whole part")
+    ap.add_argument("--plot", type=Path, help="only draw the plots from the JSON in this folder")
+    args = ap.parse_args()
+    if args.plot:
+        plot(args.plot)
+        return 0
+    if not args.part:
+        ap.error("--part: required (trees, chains or all) unless --plot")
+    if args.quick:
+        global MAX_TOKENS
+        MAX_TOKENS = 32
+    deadline = time.time() + args.seconds
+    args.target, args.draft = args.pair / args.target, args.pair / "draft"
+    prompts = json.loads((args.data / "prompts.json").read_text())
+    STORE.mkdir(parents=True, exist_ok=True)
+    parts = {f.stem: json.loads(f.read_text()) for f in STORE.glob("*.json")}
+    parts[args.part] = dict(rows=[], started=time.strftime("%H:%M:%S"))
+    for eng in engines(args.part, args.quick):
+        if time.time() > deadline - 30:
+            parts[args.part].setdefault("not_run", []).append(f"{eng['mode']}/{eng['drafter']}/{eng['k']}")
+            continue
+        parts[args.part]["rows"] += run_engine(eng, args, prompts, deadline)
+        (STORE / f"{args.part}.json").write_text(json.dumps(parts[args.part]))
+        save(args, parts)
+    save(args, parts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

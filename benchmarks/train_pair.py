@@ -1,0 +1,239 @@
+"""Train the hybrid pair of the end-to-end benchmark on the H200: two hybrid targets and one draft,
+from a seed, in one run (the three train at once, one process each, on the one GPU).
+
+    python3 benchmarks/train_pair.py --data .pair/data --out /tmp/pair --minutes 4     # on the H200
+    python3 benchmarks/train_pair.py --data .pair/data --out /tmp/pair --steps 3 --tiny  # CPU dry run
+
+Models (HF checkpoints that vLLM loads natively; bf16 weights; SmolLM2's tokenizer):
+  * ``nemotron_h``  NemotronH-style Mamba2 + attention + MLP hybrid, hidden 512, 12 layers
+    (6 Mamba2 [16 heads x 64, state 64], 4 ReLU^2 MLPs, 2 GQA attention), ~70M parameters;
+  * ``qwen3_next``  Qwen3-Next-style Gated DeltaNet + gated attention + MoE hybrid, hidden 512,
+    8 layers (6 GDN [2 key / 4 value heads x 128], 2 attention), 8 experts top-2, ~115M parameters;
+  * ``draft``       Llama, hidden 256, 2 layers, tied embeddings, ~14M parameters.
+
+Decision: trained from scratch on real text (``benchmarks/pair_data.py``: ShareGPT chats in the
+chat template, Python sources, GSM8K), not distilled from SmolLM2-135M-Instruct. The teacher is a
+93 MB GGUF, more than one device run may carry beside the vLLM bundle, and ShareGPT-style chats are
+what an instruction model is trained on anyway; the pair is for measuring speculation (acceptance
+comes from how well the draft predicts the target, not from how good the target is), and a held-out
+perplexity and the draft's top-1 agreement with the target say what it is.
+
+Training: AdamW (0.9, 0.95), weight decay 0.1, peak lr 2e-3 (draft 3e-3), 100 warmup steps then
+cosine to 10%, bf16 autocast, gradient clip 1, 32 sequences of 1024 tokens per step drawn at
+seeded random offsets. ``--steps N`` fixes the step count (deterministic from ``--seed``, up to GPU
+reduction order); ``--minutes M`` times the first warmup steps and fixes the count from that, and
+the count is recorded, so ``--steps`` with it reproduces the run. Writes ``$OUT/train_pair.json``:
+per model parameters, steps, tokens, seconds, loss curve, held-out perplexity; and the draft's top-1
+agreement with each target on held-out text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pair_data import load_xz  # noqa: E402
+
+SEQ, BATCH, WARMUP = 1024, 32, 100
+EOS, BOS = 2, 1
+MODELS = ("nemotron_h", "qwen3_next", "draft")
+LR = {"nemotron_h": 2e-3, "qwen3_next": 2e-3, "draft": 3e-3}
+EVAL_TOKENS = 131_072
+
+
+def make_config(name: str, vocab: int, tiny: bool = False):
+    """The pair's configurations (module docstring); ``tiny`` shrinks them for a CPU dry run."""
+    import transformers
+
+    h = 64 if tiny else 512
+    common = dict(vocab_size=vocab, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS, max_position_embeddings=4096,
+                  initializer_range=0.02)
+    if name == "nemotron_h":
+        M, F, A = "linear_attention", "mlp", "full_attention"
+        cfg = transformers.NemotronHConfig(
+            **common, hidden_size=h, intermediate_size=4 * h, num_attention_heads=h // 64,
+            num_key_value_heads=min(2, h // 64), head_dim=64, layers_block_type=[M, F, M, A, M, F, M, F, M, A, M, F], mamba_num_heads=h // 32,
+            mamba_head_dim=64, ssm_state_size=16 if tiny else 64, n_groups=1, conv_kernel=4, expand=2,
+            chunk_size=128, tie_word_embeddings=False)
+    elif name == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(
+            **common, hidden_size=h, intermediate_size=h, num_hidden_layers=8,
+            layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=max(h // 128, 1), num_key_value_heads=max(h // 256, 1), head_dim=128,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=h, shared_expert_intermediate_size=h,
+            decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False)
+    elif name == "draft":
+        d = 32 if tiny else 256
+        cfg = transformers.LlamaConfig(**common, hidden_size=d, intermediate_size=3 * d, num_hidden_layers=2,
+                                       num_attention_heads=max(d // 64, 1), num_key_value_heads=max(d // 128, 1),
+                                       head_dim=64,
+                                       tie_word_embeddings=True)
+    else:
+        raise ValueError(f"model: {name!r} not one of {MODELS}")
+    cfg.dtype = "bfloat16"
+    return cfg
+
+
+def tokens(data: Path, device):
+    import numpy as np
+    import torch
+
+    shards = sorted(data.glob("shard*.npy.xz"))
+    if not shards:
+        raise SystemExit(f"--data: no shard*.npy.xz in {data} (run benchmarks/pair_data.py)")
+    train = torch.from_numpy(np.concatenate([load_xz(s) for s in shards]).astype(np.int64)).to(device)
+    held = torch.from_numpy(load_xz(data / "heldout.npy.xz").astype(np.int64)).to(device)
+    return train, held
+
+
+def lr_at(step: int, total: int, peak: float) -> float:
+    if step < WARMUP:
+        return peak * (step + 1) / WARMUP
+    frac = (step - WARMUP) / max(total - WARMUP, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train_one(name: str, args) -> dict:
+    import torch
+    import transformers
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    train, held = tokens(args.data, dev)
+    cfg = make_config(name, vocab=args.vocab, tiny=args.tiny)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(dev).train()
+    params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
+                            lr=LR[name], betas=(0.9, 0.95), fused=dev.type == "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    seq, batch = (64, 4) if args.tiny else (SEQ, BATCH)
+    total, losses, t0, t_probe = args.steps, [], time.monotonic(), None
+    step = 0
+    while total is None or step < total:
+        if total is None and step == 30:  # --minutes: the count from 20 timed warmup steps
+            dt = (time.monotonic() - t_probe) / 20
+            total = max(WARMUP + 1, int(args.minutes * 60 / dt))
+        if step == 10:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t_probe = time.monotonic()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total or 10 ** 9, LR[name])
+        starts = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
+        idx = starts[:, None] + torch.arange(seq + 1)
+        x = train[idx.to(dev)]
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss = _loss(model, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == (total or 0) - 1:
+            losses.append([step, round(float(loss), 4)])
+            print(f"{name} step {step}/{total} loss {float(loss):.3f} {time.monotonic() - t0:.0f}s", flush=True)
+        step += 1
+    seconds = time.monotonic() - t0
+    model.eval()
+    out = args.out / name
+    shutil.rmtree(out, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    for f in (args.data / "tokenizer").iterdir():
+        shutil.copy(f, out / f.name)
+    return dict(model=name, arch=cfg.architectures[0] if cfg.architectures else type(model).__name__,
+                params=params, steps=total, tokens=total * batch * seq, seconds=round(seconds, 1),
+                loss=losses, lr=LR[name], seq=seq, batch=batch)
+
+
+def _loss(model, x):
+    import torch
+
+    logits = model(input_ids=x[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+
+
+def evaluate(args, names) -> dict:
+    """Held-out perplexity of each model and the draft's top-1 agreement with each target."""
+    import torch
+    import transformers
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, held = tokens(args.data, dev)
+    n = min(EVAL_TOKENS, (held.numel() - 1) // (SEQ + 1) * (SEQ + 1)) if not args.tiny else 4 * 65
+    seq = 64 if args.tiny else SEQ
+    x = held[:n].view(-1, seq + 1)
+    top1, out = {}, {}
+    for name in names:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.out / name, dtype=torch.bfloat16).to(dev).eval()
+        nll, preds = 0.0, []
+        with torch.no_grad():
+            for row in x.split(8):
+                logits = model(input_ids=row[:, :-1]).logits.float()
+                nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), row[:, 1:].flatten(),
+                                                               reduction="sum"))
+                preds.append(logits.argmax(-1))
+        top1[name] = torch.cat(preds)
+        out[name] = dict(heldout_ppl=round(math.exp(nll / (x.shape[0] * seq)), 3), heldout_tokens=x.shape[0] * seq)
+        del model
+    if "draft" in top1:
+        for t in names:
+            if t != "draft":
+                out["draft"][f"top1_agreement_{t}"] = round(float((top1["draft"] == top1[t]).float().mean()), 4)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", type=Path, default=Path(".pair/data"))
+    ap.add_argument("--out", type=Path, default=Path("/tmp/pair"))
+    ap.add_argument("--model", action="append", choices=MODELS, help="train only these (default: all three)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--minutes", type=float, default=4.0, help="with no --steps: the step count from the speed")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU dry run of the script)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.vocab = json.loads((args.data / "manifest.json").read_text())["vocab"]
+    names = args.model or list(MODELS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:  # FLA's kernels need a GPU (or the interpreter): transformers' torch fallback on CPU
+        sys.modules["fla"] = None
+    if args.child:
+        (args.out / f"{names[0]}.train.json").write_text(json.dumps(train_one(names[0], args)))
+        return 0
+    t0 = time.monotonic()
+    base = [sys.executable, __file__, "--data", str(args.data), "--out", str(args.out), "--seed", str(args.seed),
+            "--child"] + (["--steps", str(args.steps)] if args.steps else ["--minutes", str(args.minutes)]) + \
+        (["--tiny"] if args.tiny else [])
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    procs = {n: subprocess.Popen(base + ["--model", n], env=env) for n in names}
+    failed = [n for n, p in procs.items() if p.wait() != 0]
+    result = dict(seed=args.seed, data=json.loads((args.data / "manifest.json").read_text()), models={})
+    for n in names:
+        f = args.out / f"{n}.train.json"
+        result["models"][n] = json.loads(f.read_text()) if f.exists() else dict(error="training failed")
+    if not failed:
+        for n, ev in evaluate(args, names).items():
+            result["models"][n].update(ev)
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    text = json.dumps(result, indent=1)
+    (args.out / "train_pair.json").write_text(text)
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / "train_pair.json").write_text(text)
+    print(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
