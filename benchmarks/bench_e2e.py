@@ -7,7 +7,8 @@ chain-shaped trees, ``top_k`` 1), on the trained pair of ``benchmarks/train_pair
     python3 benchmarks/bench_e2e.py --plot benchmarks/results                          # the plots, on the CPU
     python3 benchmarks/bench_e2e.py --part all --pair /tmp/pair_tiny --eager --dtype float32 --quick  # CPU dry run
 
-Every engine runs in its own subprocess (``vllm_bole.testing.engine_run``), one after another (the
+Run it under an outer ``timeout`` of at least ``--seconds`` + 90: an engine stops taking cells at the
+deadline but returns its rows only when it shuts down. Every engine runs in its own subprocess (``vllm_bole.testing.engine_run``), one after another (the
 GPU is the engine's alone while it is timed), CUDA graphs on (vLLM's default FULL_AND_PIECEWISE; tree
 steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
 every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
@@ -150,8 +151,15 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
     return row
 
 
+def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
+    """Untimed: one request alone, then a full batch, so that Triton's JIT compilation and autotuning
+    of the first shapes fall outside the cells (seen on the H200: the first cell ran 2x slower)."""
+    return [dict(engine_run.generate_job(prompts_for(prompts, "mt_bench", n), 16, concurrency=n), deadline=deadline,
+                 cell=None) for n in (1, max(CONCURRENCY))]
+
+
 def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
-    jobs = [job(prompts, d, t, c, deadline, b) for d, t, c, b in eng["cells"]]
+    jobs = warmup_jobs(prompts, deadline) + [job(prompts, d, t, c, deadline, b) for d, t, c, b in eng["cells"]]
     spec = spec_for(eng["mode"], eng["drafter"], args.draft, eng["k"])
     base = dict(mode=eng["mode"], drafter=eng["drafter"], budget=eng["k"])
     try:
@@ -163,7 +171,7 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
         return [row]
     rows = []
     for j, res in zip(jobs, out["jobs"]):
-        if "skipped" not in res:
+        if j["cell"] is not None and "skipped" not in res:
             rows.append(dict(row_of(eng, j["cell"], res), engine_start_s=out["start_s"]))
             print(_line(rows[-1]), flush=True)
     return rows
@@ -174,9 +182,9 @@ def controller_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     that cell and against the single fixed budget that is best over all cells (highest mean of
     tokens/s relative to each cell's best)."""
     out, chosen = [], []
-    for drafter in sorted({r["drafter"] for r in rows if r["mode"] == "bole_tree"}):
-        mine = [r for r in rows if r["mode"] == "bole_tree" and r["drafter"] == drafter and r["temperature"] == 0.0
-                and "error" not in r]
+    for drafter in sorted({r["drafter"] for r in rows if r["mode"] == "bole_tree" and "error" not in r}):
+        mine = [r for r in rows if "error" not in r and r["mode"] == "bole_tree" and r["drafter"] == drafter
+                and r["temperature"] == 0.0]
         fixed = {(r["batch"], r["dataset"], r["budget"]): r["tokens_per_s"] for r in mine if r["budget"] != "auto"}
         auto = {(r["batch"], r["dataset"]): r for r in mine if r["budget"] == "auto"}
         keys = sorted({(b, d) for b, d, _ in fixed} & set(auto))
@@ -270,6 +278,8 @@ def plot(results: Path) -> None:
     fig.tight_layout()
     fig.savefig(results / "e2e_throughput.png", dpi=120)
     chosen = json.loads((results / "controller.json").read_text()).get("chosen", [])
+    if not chosen:  # the controller's cells were not measured
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in sorted({(c["drafter"], c["dataset"]) for c in chosen}):
         pts = sorted((c["batch"], c["chosen_per_request"]) for c in chosen if (c["drafter"], c["dataset"]) == key)
@@ -293,6 +303,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="MT-Bench greedy only, two budgets (dry runs)")
     ap.add_argument("--seconds", type=float, default=540, help="deadline for the whole part")
     ap.add_argument("--plot", type=Path, help="only draw the plots from the JSON in this folder")
+    ap.add_argument("--only", action="append", metavar="MODE/DRAFTER",
+                    help="run only these engines of the part (e.g. bole_tree/ngram), keeping the part's other rows")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)
@@ -307,8 +319,11 @@ def main() -> int:
     prompts = json.loads((args.data / "prompts.json").read_text())
     STORE.mkdir(parents=True, exist_ok=True)
     parts = {f.stem: json.loads(f.read_text()) for f in STORE.glob("*.json")}
-    parts[args.part] = dict(rows=[], started=time.strftime("%H:%M:%S"))
-    for eng in engines(args.part, args.quick):
+    todo = [e for e in engines(args.part, args.quick) if not args.only or f"{e['mode']}/{e['drafter']}" in args.only]
+    keep = [r for r in parts.get(args.part, {}).get("rows", []) if args.only and
+            f"{r['mode']}/{r['drafter']}" not in args.only]
+    parts[args.part] = dict(rows=keep, started=time.strftime("%H:%M:%S"))
+    for eng in todo:
         if time.time() > deadline - 30:
             parts[args.part].setdefault("not_run", []).append(f"{eng['mode']}/{eng['drafter']}/{eng['k']}")
             continue

@@ -25,6 +25,11 @@ reduction order); ``--minutes M`` times the first warmup steps and fixes the cou
 the count is recorded, so ``--steps`` with it reproduces the run. Writes ``$OUT/train_pair.json``:
 per model parameters, steps, tokens, seconds, loss curve, held-out perplexity; and the draft's top-1
 agreement with each target on held-out text.
+
+Seen on the H200 (2026-12-01): transformers has no fast Mamba2 path there (no ``mamba_ssm``), and its
+torch fallback takes 1.4 s per 32k-token step of ``nemotron_h`` (Qwen3-Next's torch GDN fallback
+0.9 s, the draft 0.07 s), so a few minutes give the targets only 100-300 steps; and the three
+together beside vLLM engines ran out of GPU memory (``nemotron_h``): train alone on the GPU.
 """
 from __future__ import annotations
 
@@ -170,8 +175,8 @@ def evaluate(args, names) -> dict:
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, held = tokens(args.data, dev)
-    n = min(EVAL_TOKENS, (held.numel() - 1) // (SEQ + 1) * (SEQ + 1)) if not args.tiny else 4 * 65
     seq = 64 if args.tiny else SEQ
+    n = min(4 * (seq + 1) if args.tiny else EVAL_TOKENS, held.numel()) // (seq + 1) * (seq + 1)
     x = held[:n].view(-1, seq + 1)
     top1, out = {}, {}
     for name in names:

@@ -96,13 +96,15 @@ def spec(drafter: str, model) -> dict:
     return cfg
 
 
-def run(model, jobs, *, spec_cfg=None, dtype="float32", graphs=True, **kw) -> dict:
-    """One engine; an exception becomes {"error": ...} (the matrix never stops on one failure)."""
+def run(model, jobs, *, spec_cfg=None, dtype="float32", graphs=True, timeout=ENGINE_TIMEOUT_S, **kw) -> dict:
+    """One engine; an exception becomes {"error": its first line and its tail} (the matrix never stops
+    on one failure)."""
     try:
         return engine_run.run_engine(model, jobs, spec=spec_cfg, llm_kwargs=engine_kwargs(dtype, graphs, **kw),
-                                     env=engine_env(dtype), timeout=ENGINE_TIMEOUT_S)
+                                     env=engine_env(dtype), timeout=timeout)
     except Exception as e:  # noqa: BLE001 - recorded as the row's result
-        return dict(error=f"{type(e).__name__}: {e}"[-4000:])
+        text = f"{type(e).__name__}: {e}"
+        return dict(error=text if len(text) <= 4000 else f"{text[:400]} ... {text[-3500:]}")
 
 
 def _chain_all_accepted(stats) -> bool:
@@ -226,7 +228,8 @@ def part_soak(models: dict, seconds: float) -> None:
     arch, model = "nemotron_h", models["nemotron_h"]
     prompts = _prompts(model)
     kw = dict(num_gpu_blocks_override=64, block_size=16, max_num_seqs=24)  # each sequence holds a Mamba block
-    ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=dict(spec("ngram", model), budget="auto"), **kw)
+    ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=dict(spec("ngram", model), budget="auto"),
+               timeout=seconds + ENGINE_TIMEOUT_S, **kw)
     if "error" in ours:
         SAVE.set("soak", dict(ok=False, error=ours["error"]))
         return
