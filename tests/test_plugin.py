@@ -85,3 +85,23 @@ def test_tree_steps_never_dispatched_as_uniform_decode():
     r._bole_step = None
     assert r._determine_batch_execution_and_padding(4, 4) is None
     assert r._determine_batch_execution_and_padding(4, 4, force_uniform_decode=True) is True
+
+
+def test_budget_switch_in_place():
+    """``bole_set_budget`` (the benchmarks' budget sweep in one engine): fixed <-> "auto" between steps,
+    the controller kept across switches, an out-of-range budget refused by name with nothing changed."""
+    import pydantic
+
+    from vllm_bole.adapter.runner import TreeRunnerMixin
+    from vllm_bole.config import TreeSpecConfig
+
+    r = TreeRunnerMixin()
+    r._bole_auto = None
+    r._bole_set_config(TreeSpecConfig(method="bole_tree", drafter="ngram", num_speculative_tokens=16, eps=0.5))
+    auto = r._bole_budget
+    assert auto is not None and r.bole_config.fixed_budget is None
+    assert r.bole_set_budget(4) == 4 and r._bole_budget is None and r.bole_config.eps == 1.0
+    assert r.bole_set_budget("auto") == "auto" and r._bole_budget is auto
+    with pytest.raises(pydantic.ValidationError, match="budget"):
+        r.bole_set_budget(17)
+    assert r.bole_config.budget == "auto" and r._bole_budget is auto and r.bole_config.depth == 8

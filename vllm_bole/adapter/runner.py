@@ -10,16 +10,15 @@ One step, as vLLM drives it (``execute_model`` then ``sample_tokens``):
    the plain ones (prefills, decodes without drafts) in vLLM's order.
 3. ``_prepare_inputs``: vLLM's input prep, then the tree requests' positions become
    ``prefix_len + depth`` (their KV slots stay ``prefix_len + j``: ``tree_slot_mapping``), logits
-   are taken at every tree node, and a :class:`~vllm_bole.adapter.layers.TreeStep` describes the
-   trees to the layer overrides (:mod:`vllm_bole.adapter.tree_step`). Pending accepted paths of requests that are not verified as trees
-   this step are committed first, so vLLM's own kernels always read committed states.
+   are taken at every tree node, and a :class:`~vllm_bole.adapter.tree_step.TreeStep` describes the
+   trees to the layer overrides. Pending accepted paths of requests not verified as trees this step
+   are committed first, so vLLM's own kernels always read committed states.
 4. ``_build_attention_metadata``: vLLM's metadata for the plain requests only.
 5. ``_model_forward``: ONE forward; the layer overrides run the plain tokens through vLLM and the
    tree tokens through the core.
 6. ``_sample``: vLLM's sampler for the plain requests; the sampling constraints per node
-   (:mod:`vllm_bole.adapter.sampling`), ``verify_tree`` and ``commit`` of
-   :mod:`vllm_bole.spec_decode.step` for the trees, over the layer objects
-   (:mod:`vllm_bole.adapter.layers`): accepted K/V
+   (:mod:`vllm_bole.adapter.sampling`), ``verify_tree`` and ``commit`` of :mod:`vllm_bole.spec_decode.step`
+   for the trees, over the layer objects (:mod:`vllm_bole.adapter.layers`): accepted K/V
    compacted into ``prefix_len .. prefix_len + m`` for every full-attention layer, conv states
    committed in place, the accepted path's recurrent inputs stashed per state slot (folded into
    the next tree step of the request). Output: accepted tokens + bonus, ``-1`` padded, exactly
@@ -99,8 +98,7 @@ class TreeRunnerMixin:
 
     def _bole_set_config(self, config: TreeSpecConfig) -> None:
         self.bole_config = config
-        if config.fixed_budget is None and self._bole_auto is None:
-            self._bole_auto = StepBudget(config)
+        self._bole_auto = self._bole_auto or (StepBudget(config) if config.fixed_budget is None else None)
         self._bole_budget = self._bole_auto if config.fixed_budget is None else None
 
     def bole_set_budget(self, budget) -> int | str:
