@@ -20,8 +20,8 @@ Engines and cells (``ENGINES``): ``ar`` and ``vllm_chain`` (n-gram and ``draft_m
 ``num_speculative_tokens`` in ``CHAIN_K``, a sweep; a mode vLLM refuses or fails on the hybrid is
 recorded with its error) decode every cell. One ``bole_tree`` engine per drafter sweeps the node
 budget in place (``bole_set_budget``; the same engine, so the same graphs and caches) over
-``BUDGETS`` on the sweep cells (MT-Bench and HumanEval, greedy), then runs ``budget: "auto"`` (the
-budget controller) on every cell. Order is by importance and every engine checks a deadline, so a
+``BUDGETS`` and ``budget: "auto"`` (the budget controller) cell by cell on the sweep cells (MT-Bench
+and HumanEval, greedy), then runs ``"auto"`` on every other cell. Order is by importance and every engine checks a deadline, so a
 run cut short still writes what it measured; unmeasured cells are absent.
 
 Per cell: ``tokens_per_s`` (output tokens / generate seconds), ``accept_len`` (tokens per request
@@ -113,9 +113,9 @@ def engines(part: str, quick: bool) -> list[dict]:
     sweep = cells(datasets=("mt_bench",) if quick else SWEEP_DATASETS, temperatures=(0.0,))
     budgets = (2, 8) if quick else BUDGETS
     trees = [dict(mode="ar", drafter="none", k=None, cells=[c + (None,) for c in full])]
-    trees += [dict(mode="bole_tree", drafter=d, k=None,
-                   cells=[c + (b,) for b in budgets for c in sweep] + [c + ("auto",) for c in full])
-              for d in ("draft_model", "ngram")]
+    # per swept cell its fixed budgets and the controller side by side (a deadline leaves whole groups)
+    grouped = [c + (b,) for c in sweep for b in budgets + ("auto",)] + [c + ("auto",) for c in full if c not in sweep]
+    trees += [dict(mode="bole_tree", drafter=d, k=None, cells=grouped) for d in ("draft_model", "ngram")]
     chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
     chains.append(dict(mode="bole_chain", drafter="draft_model", k=None,

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One warm stay on the H200: every stage below is ONE device run (at most 10 minutes), and each run
+# must start within 30 s of the last (the machine keeps /tmp only while warm). On the CPU machine
+# first: `bash ../shared/tools/vllm-gpu/build.sh .vllm-gpu` (drop FlashAttention 3, see README) and
+# `python benchmarks/pair_data.py --out .pair/data`. Then, with BOLE_COMMIT=<git rev-parse HEAD>:
+#
+#   run 1  carry .vllm-gpu/p00 .pair/data/shard0.npy.xz        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
+#   run 2  carry .vllm-gpu/p01 .pair/data/shard1.npy.xz        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
+#   run 3  carry .vllm-gpu/p02 .vllm-gpu/install.sh and .pair/data/{shard2.npy.xz, heldout.npy.xz,
+#          prompts.json, manifest.json, tokenizer}             BOLE_COMMIT=.. bash benchmarks/device/stay.sh install train
+#   run 4                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees
+#   run 5                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh chains
+#   run 6  (what is left of the 30 minutes)                    BOLE_COMMIT=.. bash benchmarks/device/stay.sh e2e
+#
+# Lessons of the first stay (2026-12-01): the pair trains alone on the GPU (three trainings beside ten
+# engines ran out of memory); an outer timeout must exceed a benchmark's own deadline by 90 s (an
+# engine returns its rows when it shuts down). Every stage re-installs the project (the working tree
+# travels with each run), so a fix between runs is picked up.
+set -uo pipefail
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+
+project() {
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .
+}
+
+stage_parts() {
+    mkdir -p /tmp/ch /tmp/pd
+    cp .vllm-gpu/p0* /tmp/ch/ && cp -r .pair/data/* /tmp/pd/
+    ls /tmp/ch /tmp/pd
+}
+
+stage_install() {
+    stage_parts
+    bash .vllm-gpu/install.sh > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
+    sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:/' /tmp/site/vllm/vllm_flash_attn/__init__.py
+    project
+}
+
+stage_train() {
+    timeout 400 python3 benchmarks/train_pair.py --data /tmp/pd --out /tmp/pair --minutes 4 > "$OUT/train_pair.log" 2>&1
+    cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
+    grep -v '^ ' "$OUT/train_pair.log" | tail -5
+}
+
+bench() {  # part, seconds
+    project
+    timeout $(($2 + 90)) python3 benchmarks/bench_e2e.py --part "$1" --pair /tmp/pair --data /tmp/pd --seconds "$2" \
+        > "$OUT/e2e_$1.log" 2>&1
+    cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
+    tail -30 "$OUT/e2e_$1.log" | cut -c1-200
+}
+
+stage_trees() { bench trees 480; }
+stage_chains() { bench chains 480; }
+
+stage_e2e() {  # the vLLM-on-H200 matrix's open items, after the pair's benchmarks
+    project
+    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_next --arch granitemoehybrid \
+        --arch falcon_h1 --mixed nemotron_h --mixed llama --soak-seconds 300 \
+        --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
+    tail -20 "$OUT/vllm_gpu_e2e.log" | cut -c1-200
+}
+
+for stage in "$@"; do
+    "stage_$stage" || { echo "stage $stage failed"; exit 1; }
+done
