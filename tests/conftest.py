@@ -15,6 +15,15 @@ def pytest_configure(config):
         raise pytest.UsageError("no GPU: run the tests with TRITON_INTERPRET=1 (see README)")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forked_runs():
+    """In-process engine runs fork from a process that has imported vLLM (``isolation.forked_runs``)."""
+    from vllm_bole.testing.isolation import forked_runs
+
+    with forked_runs():
+        yield
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """The tiny checkpoints (built once per session, in a subprocess)."""

@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vllm_bole.testing.engine_run import PRELOAD
 from vllm_bole.testing.isolation import RunnerError, engine_env, run_isolated, tail
 
 
@@ -20,7 +21,7 @@ def run_checks(model_dir, timeout: float = 300) -> dict:
     with tempfile.TemporaryDirectory(prefix="vllm_bole_checks") as tmp:
         res = Path(tmp) / "result.json"
         log = run_isolated([sys.executable, "-m", "vllm_bole.testing.adapter_checks", "--checks", str(model_dir), str(res)],
-                           timeout=timeout, env=engine_env(False))
+                           timeout=timeout, env=engine_env(False), preload=PRELOAD)
         if not res.exists():
             raise RunnerError(f"checks wrote no result; output tail:\n{tail(log)}")
         return json.loads(res.read_text())

@@ -36,6 +36,10 @@ from vllm_bole.testing.isolation import RunnerError, engine_env, kill_group, run
 
 ENGINE_TIMEOUT_S = 600
 PROBE_CLS = "vllm_bole.testing.engine_run.PluginProbe"
+# what an in-process engine run does first (``from vllm import LLM``; with ``hf_job`` after hiding FLA),
+# done once by a fork server (``isolation.forked_runs``)
+PRELOAD = "vllm.entrypoints.llm"
+PRELOAD_HF = "vllm_bole.testing.tiny_models:hide_fla," + PRELOAD
 
 
 def checkpoint_dtype(model_dir) -> str:
@@ -104,9 +108,10 @@ def run_engine(model_dir, jobs: list[dict], *, spec: dict | None = None, llm_kwa
                                        hf_job=hf_job, probe=probe, fault=fault)))
         e = engine_env(multiprocessing)
         e.update(env or {})
+        preload = None if multiprocessing or env else PRELOAD_HF if hf_job is not None else PRELOAD
         t0 = time.monotonic()
         log = run_isolated([sys.executable, "-m", "vllm_bole.testing.engine_run", str(req), str(res)],
-                           timeout=timeout, env=e)
+                           timeout=timeout, env=e, preload=preload)
         if not res.exists():
             raise RunnerError(f"runner wrote no result; output tail:\n{tail(log)}")
         result = json.loads(res.read_text())
