@@ -5,6 +5,8 @@ process is ever orphaned.
 Inside :func:`forked_runs` (the test session), a ``python -m MODULE ...`` run given a ``preload``
 instead forks from a server process that has run the preload (importing vLLM: ~13 s on 2 cores) once:
 the child is a fresh copy of that process, in its own session, timed out and killed as a group alike.
+The server only imports (what multiprocessing's fork start method does after ``import torch``): it
+must never run a tensor operation, since a child forked after OpenMP's thread pool started can hang.
 
     python -m vllm_bole.testing.isolation --serve PRELOAD   (the server; requests on stdin)
 """
