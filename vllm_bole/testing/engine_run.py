@@ -73,15 +73,13 @@ def build_models(out_dir, archs=None, timeout: float = 600) -> dict[str, Path]:
 
 
 def generate_job(prompts, max_tokens: int = 64, *, logprobs: int | None = None, sampling: dict | list | None = None,
-                 rescore: int | None = None, budget: int | str | None = None, concurrency: int | None = None,
-                 ignore_eos: bool = True) -> dict:
+                 rescore: int | None = None, budget: int | str | None = None, concurrency: int | None = None) -> dict:
     """``sampling``: extra ``SamplingParams`` fields for every prompt, or a list of them, one per prompt.
     A ``stop_token_ids`` value ``{"from_job": j, "prompt": p, "start": a, "end": b}`` means the distinct
     tokens ``a:b`` of an earlier job's stream ``p``. ``budget``: the tree node budget from this job on
     (``bole_set_budget``). ``concurrency``: prompts go in groups of that many, one ``generate`` each."""
     return dict(kind="generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
-                sampling=sampling or {}, rescore=rescore, budget=budget, concurrency=concurrency,
-                ignore_eos=ignore_eos)
+                sampling=sampling or {}, rescore=rescore, budget=budget, concurrency=concurrency)
 
 
 def mixed_job(requests: list[dict], max_tokens: int) -> dict:
@@ -224,7 +222,7 @@ def _generate(llm, job, done: list) -> dict:
     per_prompt = job["sampling"] if isinstance(job["sampling"], list) else [job["sampling"]] * len(job["prompts"])
     params = []
     for extra in per_prompt:
-        sp = dict(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", True))
+        sp = dict(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
         sp.update(extra)
         if "logit_bias" in sp:  # JSON object keys arrive as strings
             sp["logit_bias"] = {int(t): b for t, b in sp["logit_bias"].items()}
