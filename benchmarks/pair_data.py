@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from acceptance_data import GGUF_FILE, humaneval_prompts, mtbench_prompts, package_dir, sharegpt_conversations  # noqa: E402
+from acceptance_data import (GGUF_FILE, chat_ids, humaneval_prompts, mtbench_prompts, package_dir,  # noqa: E402
+                             sharegpt_conversations)
 
 HOLDOUT = 50
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -128,15 +129,11 @@ def main() -> int:
     held_ids = ids_of(held)[: 400_000]
     save_xz(args.out / "heldout.npy.xz", held_ids)
 
-    def chat_ids(text):
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=False)
-
     held_first = [c["conversations"][0]["value"] for i, c in enumerate(convs)
                   if i % HOLDOUT == 0 and chats[i][1] and c["conversations"][0].get("from") == "human"]
-    prompts = dict(mt_bench=[list(chat_ids(t)) for _, t in mtbench_prompts()],
-                   humaneval=[list(chat_ids(t)) for _, t in humaneval_prompts()],
-                   sharegpt=[p for p in (list(chat_ids(t)) for t in held_first) if len(p) <= 512][: args.sharegpt_prompts])
+    prompts = dict(mt_bench=[chat_ids(tok, t) for _, t in mtbench_prompts()],
+                   humaneval=[chat_ids(tok, t) for _, t in humaneval_prompts()],
+                   sharegpt=[p for p in (chat_ids(tok, t) for t in held_first) if len(p) <= 512][: args.sharegpt_prompts])
     (args.out / "prompts.json").write_text(json.dumps(prompts))
     manifest = dict(tokens=tokens, shard_bytes=sizes, heldout_tokens=int(len(held_ids)), eos=int(eos),
                     vocab=len(tok), documents=dict(train=len(train), heldout=len(held)),
