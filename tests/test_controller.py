@@ -119,7 +119,7 @@ class _Fixed:
     def __init__(self, cands):
         self.cands = cands
 
-    def propose(self, histories, depths):
+    def propose(self, histories, depths, keys=None):
         return self.cands
 
 

@@ -125,7 +125,7 @@ class ChainDrafter:
     def __init__(self, truth: list[list[int]], seed: int):
         self.truth, self.g = truth, torch.Generator().manual_seed(seed)
 
-    def propose(self, histories, depths) -> Candidates:
+    def propose(self, histories, depths, keys=None) -> Candidates:
         Dm = max(depths)
         out = Candidates.empty(len(histories), Dm, 3)
         for b, (h, dep) in enumerate(zip(histories, depths)):

@@ -105,3 +105,34 @@ def test_budget_switch_in_place():
     with pytest.raises(pydantic.ValidationError, match="budget"):
         r.bole_set_budget(17)
     assert r.bole_config.budget == "auto" and r._bole_budget is auto and r.bole_config.depth == 8
+
+
+def test_worker_metrics_snapshot_round_trip(tmp_path):
+    """The worker's series reach the frontend's collector through the snapshot file: histogram buckets
+    cumulative, sums and counts exact, counters and gauges as set; a missing file yields nothing."""
+    import time
+
+    from vllm_bole.adapter.metrics import WORKER_SERIES, WorkerCollector, WorkerMetrics
+
+    path = tmp_path / "m" / "dp0.json"
+    col = WorkerCollector(str(path), dict(model_name="m", engine="0"))
+    assert list(col.collect()) == []
+    w = WorkerMetrics(str(path))
+    for x in (3e-4, 2e-3, 2e-3, 7.0):
+        w.observe("vllm:bole_draft_seconds", x)
+    w.set("vllm:bole_draft_pages_used", 12)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        fams = {f.name: f for f in col.collect()}
+        h = fams.get("vllm:bole_draft_seconds")
+        if h is not None and [s for s in h.samples if s.name.endswith("_count")][0].value == 4:
+            break
+        time.sleep(0.1)
+    samples = {(s.name, s.labels.get("le")): s.value for s in fams["vllm:bole_draft_seconds"].samples}
+    assert samples[("vllm:bole_draft_seconds_count", None)] == 4
+    assert samples[("vllm:bole_draft_seconds_sum", None)] == pytest.approx(7.0043)
+    assert samples[("vllm:bole_draft_seconds_bucket", "0.0005")] == 1
+    assert samples[("vllm:bole_draft_seconds_bucket", "0.0025")] == 3
+    assert samples[("vllm:bole_draft_seconds_bucket", "+Inf")] == 4
+    assert fams["vllm:bole_draft_pages_used"].samples[0].value == 12
+    assert set(fams) == set(WORKER_SERIES)

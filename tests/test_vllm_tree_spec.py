@@ -308,6 +308,13 @@ def test_vllm_serve_completions(engines, models):
     assert trees > 0 and accepted == m["vllm:spec_decode_num_accepted_tokens_total"], lines
     assert _metric(lines, "vllm:bole_accepted_tokens_per_tree_count") == trees
     assert _metric(lines, "vllm:bole_tree_nodes_per_step_sum") == _metric(lines, "vllm:bole_tree_nodes_total") > trees
+    # the worker's own series (snapshot channel): one verification per tree step, drafting every step
+    tree_steps = _metric(lines, "vllm:bole_tree_nodes_per_step_count")
+    assert _metric(lines, "vllm:bole_verify_commit_seconds_count") == tree_steps > 0, lines
+    assert _metric(lines, "vllm:bole_draft_seconds_count") >= tree_steps
+    assert _metric(lines, "vllm:bole_verify_commit_seconds_sum") > 0
+    assert _metric(lines, "vllm:bole_transient_recurrent_bytes_count") == tree_steps  # Llama: 0 bytes each
+    assert _metric(lines, "vllm:bole_draft_pages_used") > 0  # the paged draft model holds the requests' pages
 
 
 def test_tensor_parallel_2_equals_tp1_and_plugin_in_every_worker(engines, models):

@@ -29,6 +29,12 @@ Fields (every other key is refused, with the list of allowed ones):
   draft_model`` only; required there).
 * ``draft_dtype``: ``"auto"`` (the draft checkpoint's dtype), ``"float32"``, ``"bfloat16"``,
   ``"float16"`` (``draft_model`` only).
+* ``draft_runtime``: how a ``draft_model`` drafter runs (``draft_model`` only): ``"auto"`` (default:
+  ``"paged"`` when the draft can, else ``"transformers"``), ``"paged"`` (inside the engine, incremental
+  over its own paged KV cache, all requests in one batch, CUDA graphs for the chain steps:
+  :mod:`vllm_bole.spec_decode.paged_draft`; attention-only drafts) or ``"transformers"`` (the
+  reference: every step re-reads the histories, :mod:`vllm_bole.spec_decode.draft_model`; any draft,
+  hybrids included).
 * ``prompt_lookup_min`` / ``prompt_lookup_max``: suffix lengths matched (``ngram`` only; default
   1 / 4): every earlier occurrence of the context's last ``n`` tokens votes, with weight ``4 ** n``,
   for what followed it (``vllm_bole.spec_decode.ngram``).
@@ -67,6 +73,7 @@ class TreeSpecConfig(BaseModel):
     top_k: int | None = Field(default=None, ge=1)
     model: str | None = None
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    draft_runtime: Literal["auto", "paged", "transformers"] = "auto"
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
     kernels: Literal["auto", "torch", "triton"] = "auto"
@@ -77,6 +84,8 @@ class TreeSpecConfig(BaseModel):
             raise ValueError("model: required with drafter 'draft_model' (the draft model's directory or name)")
         if self.drafter == "ngram" and self.model:
             raise ValueError("model: only allowed with drafter 'draft_model' (drafter is 'ngram')")
+        if self.drafter == "ngram" and self.draft_runtime != "auto":
+            raise ValueError("draft_runtime: only allowed with drafter 'draft_model' (drafter is 'ngram')")
         if isinstance(self.budget, int) and self.budget > self.num_speculative_tokens:
             raise ValueError(f"budget: {self.budget} must be 'auto' or an integer <= num_speculative_tokens "
                              f"({self.num_speculative_tokens})")

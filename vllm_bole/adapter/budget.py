@@ -100,18 +100,21 @@ class StepBudget:
     def start(self) -> None:
         self.t0 = time.perf_counter()
 
-    def observe(self, num_requests: int, tokens: int, kv_tokens: float) -> None:
-        """The tree step begun at :meth:`start` has its sampled tokens on the host."""
+    def observe(self, num_requests: int, tokens: int, kv_tokens: float) -> tuple[float, float] | None:
+        """The tree step begun at :meth:`start` has its sampled tokens on the host; returns (predicted,
+        measured) seconds where the controller predicted this step."""
         if self.ctl is None or self.t0 is None:
-            return
+            return None
         measured, self.t0 = time.perf_counter() - self.t0, None
         bucket = int(self.ctl.bucket(torch.tensor([tokens]))[0])
         prior = float(self.ctl.cost.prior.seconds(num_requests, torch.tensor([float(bucket)]),
                                                   torch.tensor([kv_tokens + tokens]), kv_tokens)[0])
         self.ctl.cost.observe(bucket, prior, measured)
         st = self.stats
-        if self.predicted_s is not None:
-            st["observed_steps"] += 1
-            st["predicted_step_s"] += self.predicted_s
-            st["measured_step_s"] += measured
-            self.predicted_s = None
+        if self.predicted_s is None:
+            return None
+        st["observed_steps"] += 1
+        st["predicted_step_s"] += self.predicted_s
+        st["measured_step_s"] += measured
+        predicted, self.predicted_s = self.predicted_s, None
+        return predicted, measured

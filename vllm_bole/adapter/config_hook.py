@@ -23,7 +23,9 @@ fields:
   captured pieces, so tree steps run under the captured graphs;
 * on GPU without FlashInfer, ``additional_config["gdn_prefill_backend"] = "triton"`` unless set:
   vLLM 0.33 picks FlashInfer's GDN prefill on SM90 without checking that it is installed;
-* ``additional_config["vllm_bole"]`` -> the validated settings, which travel to every worker.
+* ``additional_config["vllm_bole"]`` -> the validated settings, which travel to every worker;
+  ``additional_config["vllm_bole_metrics"]`` -> a fresh directory for the worker's metrics snapshot
+  (:mod:`vllm_bole.adapter.metrics`).
 
 Everything that cannot work is refused here, before any engine process starts, with one line naming
 the field and the allowed values (:class:`~vllm_bole.config.ConfigError`): the tree config itself
@@ -39,6 +41,8 @@ import functools
 import importlib.util
 import logging
 import os
+import tempfile
+import uuid
 
 from vllm_bole.config import METHOD, ConfigError, is_tree_spec, parse_config
 
@@ -48,6 +52,7 @@ PROPOSER = "vllm_bole.adapter.proposer.TreeProposer"
 CPU_WORKER = "vllm_bole.adapter.worker.BoleCPUWorker"
 GPU_WORKER = "vllm_bole.adapter.worker.BoleGPUWorker"
 ADDITIONAL_KEY = "vllm_bole"
+METRICS_KEY = "vllm_bole_metrics"  # additional_config: directory of the workers' metrics snapshots
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
@@ -137,6 +142,7 @@ def apply_to_engine_args(args) -> None:
     args.async_scheduling = False
     args.enable_prefix_caching = False
     extra[ADDITIONAL_KEY] = cfg.model_dump()
+    extra[METRICS_KEY] = os.path.join(tempfile.gettempdir(), f"vllm_bole_metrics_{os.getpid()}_{uuid.uuid4().hex[:8]}")
     args.additional_config = extra
     logger.debug("vllm-bole: tree speculation %s", cfg.model_dump())
 

@@ -43,6 +43,7 @@ import torch
 
 from vllm_bole.adapter.budget import StepBudget
 from vllm_bole.adapter.layers import RECURRENT_KINDS, AttentionGroup, AttentionLayer
+from vllm_bole.adapter.metrics import WorkerMetrics, snapshot_path
 from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tree, tree_sampling
 from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
 from vllm_bole.attention.tree_attention import tree_slot_mapping
@@ -51,12 +52,24 @@ from vllm_bole.spec_decode.branch_stats import COLUMNS as BRANCH_COLUMNS
 from vllm_bole.spec_decode.branch_stats import branch_counts
 from vllm_bole.spec_decode.draft_model import HFDraftModel
 from vllm_bole.spec_decode.ngram import NgramDrafter
+from vllm_bole.spec_decode.paged_draft import PagedDraftModel
 from vllm_bole.spec_decode.step import commit, draft_trees, verify_tree
 from vllm_bole.spec_decode.tree import MAX_DEPTH
 
 logger = logging.getLogger("vllm_bole")
 NGRAM_WINDOW = 4096  # context tokens the n-gram drafter searches (the most recent)
 MAX_TOP_K = 64  # candidates per depth a drafter proposes at most
+DRAFT_KV_BYTES = {True: 4 << 30, False: 256 << 20}  # the paged draft's KV pool at most (CUDA, CPU)
+
+
+def _first_rank() -> bool:
+    """Whether this worker is tensor-parallel rank 0 of the last pipeline stage (it exports the metrics)."""
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        return ps.get_tp_group().rank_in_group == 0 and ps.get_pp_group().is_last_rank
+    except AssertionError:  # no distributed state (a runner built outside a worker)
+        return True
 
 
 class TreeRunnerMixin:
@@ -92,6 +105,7 @@ class TreeRunnerMixin:
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
         self._bole_branch = torch.zeros(MAX_DEPTH + 1, len(BRANCH_COLUMNS), dtype=torch.long)  # per depth
+        self._bole_metrics = WorkerMetrics(snapshot_path(self.vllm_config) if _first_rank() else None)
         top_k = min(config.top_k or config.num_speculative_tokens, MAX_TOP_K)
         self._bole_drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max, top_k=top_k,
                                           window=NGRAM_WINDOW) if config.drafter == "ngram" else None
@@ -112,10 +126,25 @@ class TreeRunnerMixin:
         return self.bole_config.budget
 
     def _bole_load_drafter(self) -> None:
+        """The draft model, in the worker's process (before vLLM sizes its KV cache, so the draft's
+        pages count as model memory): paged when it can (``draft_runtime``), else transformers."""
         cfg = self.bole_config
-        if cfg.drafter == "draft_model" and self._bole_drafter is None:  # needs the worker's process
-            top_k = min(cfg.top_k or cfg.num_speculative_tokens, MAX_TOP_K)
-            self._bole_drafter = HFDraftModel(cfg.model, cfg.draft_dtype, top_k=top_k, device=self.device)
+        if cfg.drafter != "draft_model" or self._bole_drafter is not None:
+            return
+        top_k = min(cfg.top_k or cfg.num_speculative_tokens, MAX_TOP_K)
+        if cfg.draft_runtime != "transformers":
+            try:
+                self._bole_drafter = PagedDraftModel(
+                    cfg.model, cfg.draft_dtype, top_k=top_k, device=self.device, max_len=self.max_model_len,
+                    depth=cfg.depth, max_requests=self.scheduler_config.max_num_seqs,
+                    kv_bytes=DRAFT_KV_BYTES[torch.device(self.device).type == "cuda"], kernels=cfg.kernels)
+                return
+            except NotImplementedError as e:
+                if cfg.draft_runtime == "paged":
+                    raise NotImplementedError(f"draft_runtime: 'paged' is not possible: {e}; use 'auto' or "
+                                              "'transformers'") from None
+                logger.info("vllm-bole: the draft model runs through transformers: %s", e)
+        self._bole_drafter = HFDraftModel(cfg.model, cfg.draft_dtype, top_k=top_k, device=self.device)
 
     def _bole_install_layers(self, refresh: bool = False) -> None:
         """One layer object per attention / recurrent layer of the loaded model (once KV caches are
@@ -163,7 +192,7 @@ class TreeRunnerMixin:
             f"{mode.name} (tree steps: {mode.mixed_mode().name})"
         logger.info("vllm-bole: method bole_tree active: drafter %s%s, node budget %s, max depth %d, kernels %s, "
                     "model runner %s (V1), CUDA graphs %s; tree overrides on %d attention and %d recurrent layers",
-                    cfg.drafter, f" ({cfg.model})" if cfg.model else "",
+                    cfg.drafter, f" ({cfg.model}, {self._bole_drafter.runtime})" if cfg.model else "",
                     f"{cfg.budget} per request" if cfg.fixed_budget else
                     f"auto (controller, <= {cfg.num_speculative_tokens} per request, eps {cfg.eps})", cfg.depth,
                     kernels, type(self).__mro__[2].__name__, graphs,
@@ -188,6 +217,8 @@ class TreeRunnerMixin:
         out = super()._update_states(scheduler_output)
         for rid in scheduler_output.finished_req_ids:
             self._bole_drop_pending(rid)
+        if hasattr(self._bole_drafter, "release"):
+            self._bole_drafter.release(scheduler_output.finished_req_ids)
         return out
 
     def _may_reorder_batch(self, scheduler_output) -> None:
@@ -285,10 +316,14 @@ class TreeRunnerMixin:
         params = [self.requests[rid].sampling_params for rid in step.req_ids]
         res = verify_tree(tree, constrain(self.input_batch, step, tlogits.float(), params),
                           tree_sampling(params, [self.input_batch.generators.get(r) for r in step.rows]))
+        transient = sum(layer.saved_bytes() for layers in self._bole_recurrent.values() for layer in layers)
         commit(self._bole_attention + [layer for layers in self._bole_recurrent.values() for layer in layers], tree, res)
         for r, rid in enumerate(step.req_ids if step.state_slots else ()):
             self._bole_pending_slots[rid] = {gid: int(slots[r]) for gid, slots in step.state_slots.items()}
-        self._bole_stats["verify_commit_s"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self._bole_stats["verify_commit_s"] += dt
+        self._bole_metrics.observe("vllm:bole_verify_commit_seconds", dt)
+        self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
         grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int64)
         grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
         grid[P:] = res.output_token_ids.cpu()
@@ -307,8 +342,11 @@ class TreeRunnerMixin:
             self._bole_accept_log.append((rid, step.chain_len[r], acc[r]))
         self._bole_branch += branch_counts(tree, res)
         if self._bole_budget is not None:
-            self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
-                                      float(step.prefix_len.sum()))
+            times = self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
+                                              float(step.prefix_len.sum()))
+            if times is not None:
+                self._bole_metrics.observe("vllm:bole_step_predicted_seconds", times[0])
+                self._bole_metrics.observe("vllm:bole_step_measured_seconds", times[1])
         return SamplerOutput(sampled_token_ids=grid.to(torch.int32).to(logits.device), logprobs_tensors=logprobs)
 
     def sample_tokens(self, grammar_output):
@@ -319,8 +357,13 @@ class TreeRunnerMixin:
             self._bole_propose()
             dt = time.perf_counter() - t0
             self._bole_stats["draft_s"] += dt
+            self._bole_metrics.observe("vllm:bole_draft_seconds", dt)
             if self._bole_budget is not None:
                 self._bole_budget.drafted(dt)
+            pool = getattr(self._bole_drafter, "pool", None)
+            if pool is not None:
+                self._bole_metrics.set("vllm:bole_draft_evictions", pool.evictions)
+                self._bole_metrics.set("vllm:bole_draft_pages_used", pool.num_pages - 1 - len(pool.free))
         return out
 
     def take_draft_token_ids(self):
@@ -433,16 +476,17 @@ class TreeRunnerMixin:
                 depths.append(0)
                 continue
             num = int(ib.num_tokens_no_spec[i])
-            hist = ib.token_ids_cpu[i, :num]
+            hist = ib.token_ids_cpu[i, :num]  # a view: drafters copy what they keep
             roots.append(int(hist[-1]))
-            hists.append(hist.tolist())
+            hists.append(hist)
             depths.append(max(min(cfg.depth, self.max_model_len - num - 1), 0))
         budget = self._bole_budget
         tree, choice = draft_trees(self._bole_drafter, roots, hists, depths, cfg.fixed_budget or cfg.num_speculative_tokens,
                                    max_depth=cfg.depth, top_k=cfg.top_k, controller=budget and budget.controller(self),
-                                   kv_lens=[len(h) for h in hists])
+                                   kv_lens=[len(h) for h in hists], keys=req_ids)
         if choice is not None:
             budget.chosen(choice)
+            self._bole_metrics.observe("vllm:bole_budget_nodes", choice.total)
         flat = tree.draft_token_ids()
         self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, flat)
         from vllm.v1.outputs import DraftTokenIds

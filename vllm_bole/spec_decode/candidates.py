@@ -87,8 +87,12 @@ class Drafter(Protocol):
 
     top_k: int  # K: candidates per depth
 
-    def propose(self, histories: Sequence[Sequence[int]], depths: Sequence[int]) -> Candidates:
+    def propose(self, histories: Sequence[Sequence[int]], depths: Sequence[int],
+                keys: Sequence | None = None) -> Candidates:
         """Candidates ``[B, max(depths), K]`` on the CPU for ``B = len(histories)`` requests:
         request ``b`` gets depths ``1 .. depths[b]`` (0: no draft, all padding) after
-        ``histories[b]`` (its last token is the root)."""
+        ``histories[b]`` (its last token is the root; a sequence of ints or a 1-D array the
+        drafter must not keep). ``keys`` [B] identify requests across calls: a drafter with
+        per-request state (:class:`~vllm_bole.spec_decode.paged_draft.PagedDraftModel`) keeps it
+        under them and frees it in ``release(keys)``; stateless drafters ignore them."""
         ...

@@ -76,6 +76,8 @@ def cache_kind(out) -> str:
 class HFDraftModel:
     """A transformers causal LM used as the drafter (a :class:`~vllm_bole.spec_decode.candidates.Drafter`)."""
 
+    runtime = "transformers (every step re-reads the histories)"
+
     def __init__(self, path: str, dtype: str = "auto", top_k: int = 8, device="cpu"):
         with hidden_fla(str(device) == "cpu"):
             import transformers
@@ -89,7 +91,7 @@ class HFDraftModel:
         self.top_k = min(int(top_k), probe.logits.shape[-1])
 
     @torch.inference_mode()
-    def propose(self, histories: Sequence[Sequence[int]], depths: Sequence[int]) -> Candidates:
+    def propose(self, histories: Sequence[Sequence[int]], depths: Sequence[int], keys=None) -> Candidates:
         """Candidates ``[B, max(depths), top_k]`` (CPU): the draft's greedy chain after each
         history and its top-``k`` at every depth; empty histories and depth 0 get no draft."""
         dep = [max(int(d), 0) for d in depths]

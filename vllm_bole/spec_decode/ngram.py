@@ -86,7 +86,8 @@ class NgramDrafter:
         js = torch.nonzero(ell >= self.min_n).flatten()
         return js, ell[js]
 
-    def propose(self, histories: Sequence[Sequence[int] | torch.Tensor], depths: Sequence[int]) -> Candidates:
+    def propose(self, histories: Sequence[Sequence[int] | torch.Tensor], depths: Sequence[int],
+                keys=None) -> Candidates:
         """Candidates ``[B, max(depths), top_k]`` for depths ``1 .. depths[b]`` after each history
         (its last token is the root), for the whole batch in one vectorised pass."""
         B = len(histories)

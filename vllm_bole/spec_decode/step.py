@@ -32,13 +32,14 @@ __all__ = ["Sampling", "TreeLayer", "commit", "draft_trees", "verify_tree"]
 
 def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequence[int]], depths: Sequence[int],
                 budget: int, *, max_depth: int, top_k: int | None = None, controller: BudgetController | None = None,
-                kv_lens: Sequence[int] | None = None) -> tuple[TreeBatch, Choice | None]:
+                kv_lens: Sequence[int] | None = None, keys: Sequence | None = None) -> tuple[TreeBatch, Choice | None]:
     """Best-first trees of at most ``budget`` draft nodes per request from the drafter's per-depth
     candidates; a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the
     last committed tokens. With a ``controller`` the trees grown at ``budget`` are cut to the
     budgets it chooses for the batch (``kv_lens`` [B]: the requests' context lengths); returns the
-    trees and that choice (None without a controller)."""
-    cands = drafter.propose(histories, depths)
+    trees and that choice (None without a controller). ``keys`` [B] identify the requests to a
+    drafter that keeps per-request state across steps (the paged draft model)."""
+    cands = drafter.propose(histories, depths, keys=keys)
     if controller is None:
         return best_first_tree(roots, cands, budget, max_depth=max_depth, top_k=top_k), None
     full = best_first_slots(roots, cands, budget, max_depth=max_depth, top_k=top_k)

@@ -10,6 +10,8 @@ import time
 from vllm_bole.testing.engine_run import ENGINE_TIMEOUT_S, checkpoint_dtype
 from vllm_bole.testing.isolation import RunnerError, engine_env, kill_group, tail
 
+METRICS_SETTLE_S = 30.0
+
 
 def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | None = None, port: int = 0,
                       chat: bool = False, eager: bool = True, extra_args: list[str] | None = None,
@@ -72,9 +74,20 @@ def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | 
         if chat:
             reply = post("/v1/chat/completions", dict(model=model, max_tokens=16, temperature=0.0, messages=[
                 dict(role="user", content="Hello, who are you?")]))["choices"][0]["message"]["content"]
-        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-            lines = [ln for ln in r.read().decode().splitlines()
-                     if ln.startswith(("vllm:spec_decode_", "vllm:bole_")) and not ln.startswith("#")]
+        def scrape():
+            with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+                return [ln for ln in r.read().decode().splitlines()
+                        if ln.startswith(("vllm:spec_decode_", "vllm:bole_")) and not ln.startswith("#")]
+
+        # the worker's series arrive through a snapshot written every half second: wait until two
+        # scrapes a second apart agree (at most METRICS_SETTLE_S)
+        lines, t_settle = scrape(), time.monotonic()
+        while time.monotonic() - t_settle < METRICS_SETTLE_S:
+            time.sleep(1.0)
+            again = scrape()
+            if again == lines:
+                break
+            lines = again
         metrics = {}
         for line in lines:
             name, value = line.rsplit(" ", 1)

@@ -90,6 +90,13 @@ class RecurrentLayer:
     def save(self, step: TreeStep, slots, conv_in, **inputs) -> None:
         self._saved = Saved(step, slots, conv_in, inputs)
 
+    def saved_bytes(self) -> int:
+        """Bytes this layer holds from the tree forward to its commit (the tree tokens' inputs)."""
+        s = self._saved
+        if s is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (s.conv_in, *s.inputs.values()) if isinstance(t, torch.Tensor))
+
     def commit(self, tree, result) -> None:
         saved, self._saved = self._saved, None
         step = saved.step

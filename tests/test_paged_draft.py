@@ -1,0 +1,125 @@
+"""The paged in-engine draft model (``spec_decode/paged_draft.py``) against the transformers drafter
+(its reference): the same candidates over several steps of growing histories (accepted chain prefixes
+and bonus tokens), catch-ups longer than one chunk, a pool small enough to evict, temporary keys;
+the chain mask against the tree data model; the page pool's bookkeeping; refusal of recurrent drafts."""
+import numpy as np
+import pytest
+import torch
+
+from vllm_bole.spec_decode.candidates import Candidates
+from vllm_bole.spec_decode.draft_model import HFDraftModel
+from vllm_bole.spec_decode.paged_draft import CHUNK, PagedDraftModel, PagePool, chain_mask
+from vllm_bole.spec_decode.tree import TreeBatch
+from vllm_bole.testing.tiny_models import build_tiny_model
+
+TOL = 1e-5  # fp32: the two attention paths differ by rounding only
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("paged")
+    return {a: build_tiny_model(a, root) for a in ("llama", "mamba2")}
+
+
+def assert_same_candidates(got, want, depths):
+    """Equal tokens and probabilities per depth; where an exact tie (within TOL) swaps two candidates,
+    the chains may part there and nothing deeper is compared."""
+    for b, d in enumerate(depths):
+        for k in range(d):
+            gt, wt = got.tokens[b, k], want.tokens[b, k]
+            assert torch.allclose(got.probs[b, k], want.probs[b, k], atol=TOL), (b, k)
+            if not torch.equal(gt, wt):
+                ties = (want.probs[b, k][:-1] - want.probs[b, k][1:]).abs() < TOL
+                assert ties.any(), (b, k, gt, wt)
+                break
+        assert (got.tokens[b, d:] == -1).all() and (got.probs[b, d:] == 0).all()
+
+
+def test_chain_mask_is_the_chain_trees():
+    sizes = [1, 5, 33, 64, 2]
+    tree = TreeBatch.from_parents([[-1] + list(range(n - 1)) for n in sizes])
+    m = chain_mask(sizes, "cpu")
+    assert torch.equal(m.cu_nodes, tree.cu_nodes) and torch.equal(m.anc_mask, tree.anc_mask) and m.max_nodes == 64
+    long = chain_mask([CHUNK], "cpu").anc_mask  # beyond the tree model's depth limit: bits 0..j of node j
+    bits = ((long[:, :, None].long() >> torch.arange(32)) & 1).reshape(CHUNK, -1)
+    assert torch.equal(bits.bool(), torch.ones(CHUNK, CHUNK).tril().bool())
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_paged_equals_transformers(tiny, kernels):
+    """Four steps of a batch (ragged histories, one longer than a catch-up chunk, an empty one, a
+    zero depth); after each step every request accepts a random prefix of its chain plus a bonus."""
+    path = str(tiny["llama"])
+    ref = HFDraftModel(path, top_k=3)
+    long = CHUNK + 44 if kernels == "torch" else 40  # the interpreter is slow
+    pd = PagedDraftModel(path, top_k=3, max_len=512, depth=5, max_requests=6, kernels=kernels, page_size=16)
+    g = torch.Generator().manual_seed(3)
+    hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (5, 17, 1, long, 30, 0)]
+    depths, keys = [4, 2, 3, 5, 0, 5], list("abcdef")
+    for step in range(4):
+        got = pd.propose([np.array(h, dtype=np.int32) for h in hists], depths, keys=keys).validate()
+        assert_same_candidates(got, ref.propose(hists, depths), [d if h else 0 for h, d in zip(hists, depths)])
+        for b, h in enumerate(hists):
+            if h:
+                k = int(torch.randint(0, depths[b] + 1, (1,), generator=g))
+                h += [t for t in got.tokens[b, :k, 0].tolist() if t >= 0] + [int(torch.randint(3, 1000, (1,), generator=g))]
+        if step == 1:
+            pd.release(["a"])  # a finished request comes back under the same key: caught up from scratch
+
+
+def test_eviction_and_refusal(tiny):
+    """A pool of 6 pages (16 tokens each) beside requests of 2-3 pages: the least recently drafted
+    request outside the batch is evicted and caught up from scratch when it returns; a request that
+    cannot fit even then gets no draft; everything drafted stays exact."""
+    path = str(tiny["llama"])
+    ref = HFDraftModel(path, top_k=2)
+    bpt = PagedDraftModel.bytes_per_token(ref.model.config, torch.float32)
+    pd = PagedDraftModel(path, top_k=2, max_len=128, depth=3, kv_bytes=7 * 16 * bpt, kernels="torch")
+    assert pd.pool.num_pages == 7  # the trash page and 6
+    g = torch.Generator().manual_seed(5)
+    h = {k: torch.randint(3, 1000, (n,), generator=g).tolist() for k, n in dict(a=30, b=20, c=40, d=100).items()}
+
+    def step(keys, depths=None):
+        depths = depths or [3] * len(keys)
+        got = pd.propose([h[k] for k in keys], depths, keys=keys)
+        return got, ref.propose([h[k] for k in keys], depths)
+
+    got, want = step(["a", "b"])  # 3 + 2 pages
+    assert_same_candidates(got, want, [3, 3])
+    got, want = step(["c"])  # 3 pages: evicts a (least recent)
+    assert_same_candidates(got, want, [3]) and pd.pool.evictions == 1 and "a" not in pd.pool.entries
+    h["a"] += [7, 8]
+    got, want = step(["a", "c"])  # a again, from scratch (evicts b)
+    assert_same_candidates(got, want, [3, 3]) and pd.pool.evictions == 2
+    got, want = step(["d", "a"])  # d needs 7 pages: never fits, no draft; a stays exact
+    assert int(got.depths[0]) == 0 and (got.tokens[0] == -1).all()
+    assert_same_candidates(Candidates(got.tokens[1:], got.probs[1:]), Candidates(want.tokens[1:], want.probs[1:]), [3])
+
+
+def test_temporary_keys_keep_nothing(tiny):
+    pd = PagedDraftModel(str(tiny["llama"]), top_k=2, max_len=64, depth=3, max_requests=2, kernels="torch")
+    free = len(pd.pool.free)
+    pd.propose([[5, 6, 7], [8]], [3, 2])
+    assert len(pd.pool.free) == free and not pd.pool.entries
+
+
+def test_page_pool():
+    pool = PagePool(7, 4)  # pages 1..6
+    assert pool.reserve(["a", "b"], [8, 8]) == [True, True]  # 2 pages each
+    pool.set_tokens("a", np.array([1, 2, 3]))
+    assert pool.cached("a", np.array([1, 2, 3, 4])) == 3 and pool.cached("a", np.array([1, 9])) == 1
+    assert pool.cached("zz", np.array([1])) == 0
+    pool.reserve(["b"], [8])  # b drafted again: a is the least recently used
+    assert pool.reserve(["c"], [12]) == [True] and "a" not in pool.entries and "b" in pool.entries  # 3 pages
+    t = pool.table(["b", None, "c"], 4)
+    assert t.shape == (3, 4) and (t[1] == 0).all() and (t[0, 2:] == 0).all() and len(set(t[2, :3])) == 3
+    assert pool.reserve(["e", "f"], [16, 16]) == [True, False]  # e evicts b and c; f does not fit
+    pool.release("e")
+    assert sorted(pool.free) == list(range(1, 7))
+    with pytest.raises(ValueError, match="num_pages"):
+        PagePool(1, 4)
+
+
+def test_recurrent_draft_refused(tiny):
+    with pytest.raises(NotImplementedError, match="cannot run paged"):
+        PagedDraftModel(str(tiny["mamba2"]), max_len=64, depth=2)

@@ -1,0 +1,415 @@
+"""The draft model inside the engine: an attention-only transformers causal LM run incrementally over
+its own paged KV cache, every request of a step in one batch, the chain steps under a CUDA graph.
+
+Per request (``key``: the engine's request id) the drafter keeps the tokens whose K/V its pages hold
+(the longest prefix of the request's history it has processed). One :meth:`PagedDraftModel.propose`:
+
+1. **catch-up**: every request's tokens after its cached prefix (the accepted tokens and the root;
+   the whole prompt the first time) in ONE packed forward, each request a causal chain over its
+   cached prefix (tree attention with a chain mask, at most :data:`CHUNK` tokens per request per
+   forward; longer catch-ups take more forwards); the last position gives the depth-1 candidates;
+2. **chain**: ``D - 1`` forwards of one token per request (the previous depth's top-1, at position
+   ``len + d - 1``), each giving the next depth's top-``k``. On CUDA all ``D - 1`` steps replay one
+   CUDA graph, captured per batch bucket (:data:`BUCKETS`) at its first use.
+
+The chain's own K/V (positions ``>= len(history)``) is scratch: only the history counts as cached,
+so tokens accepted from the chain are recomputed by the next catch-up (at most ``D + 1`` tokens).
+Candidates equal :class:`~vllm_bole.spec_decode.draft_model.HFDraftModel`'s (the transformers
+reference; tested): the draft's greedy chain and its top-``k`` per depth, per-depth marginals of
+the one-pass view (:mod:`~vllm_bole.spec_decode.candidates`).
+
+Attention runs through transformers' attention interface (``attn_implementation="bole_paged"``):
+embeddings, RoPE, norms, MLPs and the LM head are the checkpoint's own modules; the attention
+function writes the new K/V into the pages and calls
+:func:`~vllm_bole.attention.tree_attention.tree_attention`. Supported: transformers models whose
+every decoder layer is full causal self-attention through that interface (Llama, Qwen2/3, Mistral
+without sliding window, ...); :func:`paged_support` says why a checkpoint is not.
+
+Pages (:class:`PagePool`): ``num_pages`` pages of ``page_size`` tokens per layer; page 0 is a trash
+page that padding rows and table tails point at. A request holds pages for its history and its
+chain; when the pool is full, the least recently drafted requests outside the batch are evicted
+(they catch up from scratch when they come back); a request that still does not fit gets no draft
+that step (its tree is its root alone: nothing lost but speed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import logging
+
+import numpy as np
+import torch
+
+from vllm_bole.attention.tree_attention import tree_attention
+from vllm_bole.spec_decode.candidates import Candidates
+from vllm_bole.spec_decode.draft_model import hidden_fla
+from vllm_bole.spec_decode.tree import MAX_NODES
+
+__all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support"]
+logger = logging.getLogger("vllm_bole")
+
+ATTN_NAME = "bole_paged"
+CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the chain steps
+WORDS = (MAX_NODES + 31) // 32
+
+
+@dataclass
+class ChainMask:
+    """The tree-attention kernel's view of a batch of causal chains (only ``cu_nodes``,
+    ``anc_mask`` and ``max_nodes`` are read): request ``b``'s node ``j`` attends to the cached
+    prefix and its nodes ``0 .. j``."""
+
+    cu_nodes: torch.Tensor  # [B + 1] int32
+    anc_mask: torch.Tensor  # [T, WORDS] int32
+    max_nodes: int
+
+
+def chain_mask(sizes: Sequence[int], device) -> ChainMask:
+    """:class:`ChainMask` of chains of ``sizes`` nodes (each 1..``MAX_NODES``)."""
+    n = torch.as_tensor(list(sizes), dtype=torch.long)
+    cu = torch.zeros(n.numel() + 1, dtype=torch.long)
+    cu[1:] = n.cumsum(0)
+    local = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], n)
+    bits = (local[:, None] + 1 - 32 * torch.arange(WORDS)[None, :]).clamp(0, 32)
+    words = torch.where(bits == 32, torch.full_like(bits, -1), (1 << bits) - 1).to(torch.int32)
+    return ChainMask(cu.to(device=device, dtype=torch.int32), words.to(device), int(n.max()) if n.numel() else 0)
+
+
+@dataclass
+class _Entry:
+    pages: list[int]
+    tokens: np.ndarray  # int64: the tokens whose K/V the pages hold, positions 0 .. len - 1
+    used: int  # clock of the last propose that drafted the request
+
+
+class PagePool:
+    """Pages of the draft's KV cache, per request key (module docstring). Host-side bookkeeping only."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages: {num_pages}, need at least 2 (page 0 is the trash page)")
+        self.num_pages, self.page_size = int(num_pages), int(page_size)
+        self.free = list(range(self.num_pages - 1, 0, -1))
+        self.entries: dict = {}
+        self.clock = 0
+        self.evictions = 0
+
+    def cached(self, key, hist: np.ndarray) -> int:
+        """Length of the common prefix of ``hist`` and the tokens cached for ``key``."""
+        e = self.entries.get(key)
+        if e is None:
+            return 0
+        n = min(len(e.tokens), len(hist))
+        diff = np.flatnonzero(e.tokens[:n] != hist[:n])
+        return int(diff[0]) if diff.size else n
+
+    def reserve(self, keys: Sequence, tokens: Sequence[int]) -> list[bool]:
+        """Pages for ``tokens[i]`` positions of ``keys[i]``, evicting the least recently used
+        requests outside ``keys``; whether each request got them (in order)."""
+        self.clock += 1
+        protect = set(keys)
+        victims = sorted((e.used, i, k) for i, (k, e) in enumerate(self.entries.items()) if k not in protect)
+        ok = []
+        for key, n in zip(keys, tokens):
+            e = self.entries.setdefault(key, _Entry([], np.zeros(0, dtype=np.int64), self.clock))
+            e.used = self.clock
+            need = -(-int(n) // self.page_size) - len(e.pages)
+            while need > len(self.free) and victims:
+                self.release(victims.pop(0)[2])
+                self.evictions += 1
+            if need > len(self.free):
+                ok.append(False)
+                continue
+            for _ in range(max(need, 0)):
+                e.pages.append(self.free.pop())
+            ok.append(True)
+        return ok
+
+    def set_tokens(self, key, hist: np.ndarray) -> None:
+        self.entries[key].tokens = hist
+
+    def release(self, key) -> None:
+        e = self.entries.pop(key, None)
+        if e is not None:
+            self.free.extend(reversed(e.pages))
+
+    def table(self, keys: Sequence, width: int) -> np.ndarray:
+        """[B, width] int32 page table of ``keys`` (``None``: a padding row), trash page 0 after
+        each request's pages."""
+        out = np.zeros((len(keys), width), dtype=np.int32)
+        for i, k in enumerate(keys):
+            if k is not None:
+                p = self.entries[k].pages[:width]
+                out[i, : len(p)] = p
+        return out
+
+
+def paged_support(model) -> str | None:
+    """Why a loaded transformers causal LM cannot run paged (None when it can)."""
+    cfg = model.config
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        return f"{type(model).__name__} has no model.layers"
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or getattr(attn, "layer_idx", None) != i:
+            return f"decoder layer {i} has no self-attention with layer_idx (recurrent or other mixer)"
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        return f"layer_types {sorted(types)}: only full attention layers are supported"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    return None
+
+
+@dataclass
+class _Forward:
+    """What the attention function reads during one forward."""
+
+    caches: list  # per layer (K, V), each [num_pages, page_size, Hkv, D]
+    slots: torch.Tensor  # [T] int64 cache slot of every token
+    block_table: torch.Tensor  # [B, W] int32
+    prefix_len: torch.Tensor  # [B] tokens cached before each request's chain
+    mask: ChainMask
+    max_kv_len: int
+    kernels: str
+
+
+@dataclass
+class _Active:
+    forward: _Forward | None = None
+    registered: set = field(default_factory=set)
+
+
+_ACTIVE = _Active()
+
+
+def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] (RoPE applied)
+    -> ([1, T, H, D], None)."""
+    fw = _ACTIVE.forward
+    kc, vc = fw.caches[module.layer_idx]
+    ps = kc.shape[1]
+    blk, off = fw.slots // ps, fw.slots % ps
+    kc[blk, off] = key[0].transpose(0, 1).to(kc.dtype)
+    vc[blk, off] = value[0].transpose(0, 1).to(vc.dtype)
+    o = tree_attention(query[0].transpose(0, 1), kc, vc, fw.block_table, fw.prefix_len, fw.mask, scale=scaling,
+                       max_nodes=fw.mask.max_nodes, max_kv_len=fw.max_kv_len, kernels=fw.kernels)
+    return o[None], None
+
+
+def _register() -> None:
+    if ATTN_NAME not in _ACTIVE.registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_NAME, _paged_attention)
+        _ACTIVE.registered.add(ATTN_NAME)
+
+
+class PagedDraftModel:
+    """A :class:`~vllm_bole.spec_decode.candidates.Drafter` with per-request state (``keys``).
+
+    ``max_len``: the longest history the engine can hand over (sizes the page tables); ``depth``:
+    the deepest chain asked for (the CUDA graphs run that many steps; a call may ask for less);
+    ``max_requests``: requests the pool holds at full length (fewer when ``kv_bytes`` caps it;
+    :class:`PagePool` evicts then); ``cuda_graphs``: capture the chain steps (CUDA only). On CUDA a
+    failed capture is logged once and the chain steps run eagerly (``runtime`` says so)."""
+
+    def __init__(self, path: str, dtype: str = "auto", top_k: int = 8, device="cpu", *, max_len: int,
+                 depth: int, max_requests: int = 1, kv_bytes: int | None = None, page_size: int = 16,
+                 kernels: str = "auto", cuda_graphs: bool = True):
+        _register()
+        with hidden_fla(str(device) == "cpu"):
+            import transformers
+
+            torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, attn_implementation=ATTN_NAME).to(device).eval()
+        why = paged_support(self.model)
+        if why is not None:
+            raise NotImplementedError(f"the draft {path} cannot run paged: {why}")
+        cfg = self.model.config
+        self.device = torch.device(device)
+        self.top_k = min(int(top_k), int(cfg.vocab_size))
+        self.depth, self.kernels = int(depth), kernels
+        self.width = -(-(int(max_len) + self.depth + 1) // page_size)  # page-table entries per request
+        dt = next(self.model.parameters()).dtype
+        num_pages = 1 + max(int(max_requests), 1) * self.width
+        if kv_bytes is not None:
+            num_pages = max(min(num_pages, int(kv_bytes) // (page_size * self.bytes_per_token(cfg, dt))), 2)
+        self.pool = PagePool(num_pages, page_size)
+        head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        shape = (num_pages, page_size, kv_heads, head)
+        self.caches = [(torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device))
+                       for _ in range(cfg.num_hidden_layers)]
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.graph_error: str | None = None
+        self._graphs: dict = {}
+        self._pool = None
+
+    @property
+    def runtime(self) -> str:
+        graphs = "CUDA graphs" if self.cuda_graphs else f"eager{f': {self.graph_error}' if self.graph_error else ''}"
+        return f"paged ({self.pool.num_pages} pages of {self.pool.page_size}, chain steps {graphs})"
+
+    @staticmethod
+    def bytes_per_token(config, dtype: torch.dtype) -> int:
+        """KV bytes one token takes in the pages."""
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return 2 * config.num_hidden_layers * kv_heads * head * torch.empty(0, dtype=dtype).element_size()
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, tokens, positions, prefix, table, mask, max_kv_len, keep=None) -> torch.Tensor:
+        """One packed forward: tokens/positions [T], each request a chain over its ``prefix`` cached
+        tokens; logits [T or len(keep), V] at ``keep`` (default: every token)."""
+        ps = self.pool.page_size
+        req = torch.repeat_interleave(torch.arange(mask.cu_nodes.numel() - 1, device=tokens.device),
+                                      (mask.cu_nodes[1:] - mask.cu_nodes[:-1]).long(), output_size=tokens.numel())
+        slots = table[req, positions // ps].long() * ps + positions % ps
+        _ACTIVE.forward = _Forward(self.caches, slots, table, prefix, mask, max_kv_len, self.kernels)
+        try:
+            out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
+                             logits_to_keep=keep if keep is not None else 0)
+        finally:
+            _ACTIVE.forward = None
+        return out.logits[0]
+
+    def _topk(self, logits):
+        return logits.float().softmax(-1).topk(self.top_k, dim=-1)
+
+    def _chain(self, tok, pos, table, mask, steps: int, max_kv_len: int, out_t, out_p) -> None:
+        """``steps`` one-token forwards from ``tok``/``pos`` [B] (``mask``: B one-node chains), top-k
+        into ``out_t`` / ``out_p`` [B, steps, K]. Graph-safe: no host syncs, fixed shapes."""
+        for d in range(steps):
+            p, t = self._topk(self._forward(tok, pos, pos, table, mask, max_kv_len))
+            out_t[:, d] = t
+            out_p[:, d] = p
+            tok, pos = t[:, 0], pos + 1
+
+    def _chain_graph(self, B: int, steps: int):
+        """(graph, static buffers) of the chain steps for a batch bucket of ``B`` rows."""
+        key = (B, steps)
+        if key not in self._graphs:
+            dev, K = self.device, self.top_k
+            bufs = dict(tok=torch.zeros(B, dtype=torch.long, device=dev), pos=torch.zeros(B, dtype=torch.long, device=dev),
+                        table=torch.zeros(B, self.width, dtype=torch.int32, device=dev),
+                        out_t=torch.zeros(B, steps, K, dtype=torch.long, device=dev),
+                        out_p=torch.zeros(B, steps, K, dtype=torch.float32, device=dev))
+            mask = chain_mask([1] * B, dev)
+
+            def run():
+                self._chain(bufs["tok"], bufs["pos"], bufs["table"], mask, steps, self.width * self.pool.page_size,
+                            bufs["out_t"], bufs["out_p"])
+
+            side = torch.cuda.Stream(dev)  # warm-up (autotuning) outside the capture, as torch recommends
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                run()
+                run()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                run()
+            self._graphs[key] = (graph, bufs)
+        return self._graphs[key]
+
+    # ------------------------------------------------------------------ the drafter
+    def release(self, keys: Sequence) -> None:
+        """Forget finished requests (their pages go back to the pool)."""
+        for k in keys:
+            self.pool.release(k)
+
+    @torch.inference_mode()
+    def propose(self, histories: Sequence, depths: Sequence[int], keys: Sequence | None = None) -> Candidates:
+        """Candidates ``[B, max(depths), top_k]`` (CPU): the draft's greedy chain after each history
+        and its top-``k`` per depth. ``keys`` identify the requests across calls (None: nothing is
+        kept after the call)."""
+        B = len(histories)
+        dep = [max(min(int(d), self.depth), 0) for d in depths]
+        D, K = max(dep, default=0), self.top_k
+        out = Candidates.empty(B, D, K)
+        temp = keys is None
+        keys = [("tmp", i) for i in range(B)] if temp else list(keys)
+        cap = self.width * self.pool.page_size  # positions a page table reaches
+        live = [i for i in range(B) if dep[i] > 0 and 0 < len(histories[i]) <= cap - D]
+        hists = {i: np.array(histories[i], dtype=np.int64) for i in live}  # a copy: the cache keeps it
+        got = self.pool.reserve([keys[i] for i in live], [len(hists[i]) + D for i in live])
+        live = [i for i, ok in zip(live, got) if ok]
+        if live:
+            toks, probs = self._propose_live(live, hists, [keys[i] for i in live], D)
+            cut = torch.arange(D)[None, :] >= torch.tensor([dep[i] for i in live])[:, None]
+            idx = torch.tensor(live)
+            out.tokens[idx] = toks.masked_fill(cut[..., None], -1)
+            out.probs[idx] = probs.masked_fill(cut[..., None], 0.0)
+        if temp:
+            self.release(keys)
+        return out
+
+    def _propose_live(self, live, hists, keys, D) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, D, K] tokens and probabilities (CPU) of the live rows."""
+        dev, n, ps = self.device, len(live), self.pool.page_size
+        L = np.array([len(hists[i]) for i in live], dtype=np.int64)
+        start = np.array([min(self.pool.cached(k, hists[i]), len(hists[i]) - 1) for k, i in zip(keys, live)])
+        table_np = self.pool.table(keys, self.width)
+        table = torch.from_numpy(table_np).to(dev)
+        first_t = torch.zeros(n, self.top_k, dtype=torch.long, device=dev)
+        first_p = torch.zeros(n, self.top_k, dtype=torch.float32, device=dev)
+        while True:  # catch-up, CHUNK tokens per request and forward
+            rows = np.flatnonzero(start < L)
+            if rows.size == 0:
+                break
+            size = np.minimum(L[rows] - start[rows], CHUNK)
+            toks = np.concatenate([hists[live[r]][start[r] : start[r] + s] for r, s in zip(rows, size)])
+            pos = np.concatenate([np.arange(start[r], start[r] + s) for r, s in zip(rows, size)])
+            ends = np.cumsum(size) - 1
+            done = start[rows] + size == L[rows]
+            logits = self._forward(torch.from_numpy(toks).to(dev), torch.from_numpy(pos).to(dev),
+                                   torch.from_numpy(start[rows]).to(dev), table[torch.from_numpy(rows).to(dev)],
+                                   chain_mask(size.tolist(), dev), int((start[rows] + size).max()),
+                                   keep=torch.from_numpy(ends[done]).to(dev))
+            p, t = self._topk(logits)
+            at = torch.from_numpy(rows[done]).to(dev)
+            first_t[at], first_p[at] = t, p
+            start[rows] += size
+        for k, i in zip(keys, live):
+            self.pool.set_tokens(k, hists[i])
+        toks = torch.empty(n, D, self.top_k, dtype=torch.long, device=dev)
+        probs = torch.empty(n, D, self.top_k, dtype=torch.float32, device=dev)
+        toks[:, 0], probs[:, 0] = first_t, first_p
+        if D > 1:
+            pos = torch.from_numpy(L).to(dev)
+            if self.cuda_graphs:
+                try:
+                    self._replay(first_t[:, 0], pos, table, D, toks, probs)
+                except RuntimeError as e:  # capture refused (e.g. a kernel that syncs): eager from now on
+                    self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                    logger.warning("vllm-bole: draft chain steps run eagerly: CUDA graph capture failed (%s)",
+                                   self.graph_error)
+            if not self.cuda_graphs:
+                self._chain(first_t[:, 0], pos, table, chain_mask([1] * n, dev), D - 1, int(L.max()) + D, toks[:, 1:],
+                            probs[:, 1:])
+        return toks.cpu(), probs.cpu()
+
+    def _replay(self, tok, pos, table, D, toks, probs) -> None:
+        """The chain steps through the captured graphs (buckets of at most the largest one)."""
+        n, steps = tok.numel(), self.depth - 1
+        for s in range(0, n, BUCKETS[-1]):
+            e = min(n, s + BUCKETS[-1])
+            Bp = next(b for b in BUCKETS if b >= e - s)
+            graph, bufs = self._chain_graph(Bp, steps)
+            bufs["tok"].zero_()
+            bufs["pos"].zero_()
+            bufs["table"].zero_()
+            bufs["tok"][: e - s] = tok[s:e]
+            bufs["pos"][: e - s] = pos[s:e]
+            bufs["table"][: e - s] = table[s:e]
+            graph.replay()
+            toks[s:e, 1:] = bufs["out_t"][: e - s, : D - 1]
+            probs[s:e, 1:] = bufs["out_p"][: e - s, : D - 1]
