@@ -21,9 +21,10 @@ the one-pass view (:mod:`~vllm_bole.spec_decode.candidates`).
 Attention runs through transformers' attention interface (``attn_implementation="bole_paged"``):
 embeddings, RoPE, norms, MLPs and the LM head are the checkpoint's own modules; the attention
 function writes the new K/V into the pages and calls
-:func:`~vllm_bole.attention.tree_attention.tree_attention`. Supported: transformers models whose
-every decoder layer is full causal self-attention through that interface (Llama, Qwen2/3, Mistral
-without sliding window, ...); :func:`paged_support` says why a checkpoint is not.
+:func:`~vllm_bole.attention.tree_attention.tree_attention`. Supported: the transformers model types
+of :data:`PAGED_MODEL_TYPES` (every decoder layer full causal self-attention through that interface),
+checked on the config before any weight is loaded and on the loaded modules after
+(:func:`paged_support`); anything else (recurrent and hybrid drafts) runs through transformers.
 
 Pages (:class:`PagePool`): ``num_pages`` pages of ``page_size`` tokens per layer; page 0 is a trash
 page that padding rows and table tails point at. A request holds pages for its history and its
@@ -50,6 +51,7 @@ __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support"]
 logger = logging.getLogger("vllm_bole")
 
 ATTN_NAME = "bole_paged"
+PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the chain steps
 WORDS = (MAX_NODES + 31) // 32
@@ -146,9 +148,19 @@ class PagePool:
         return out
 
 
-def paged_support(model) -> str | None:
-    """Why a loaded transformers causal LM cannot run paged (None when it can)."""
-    cfg = model.config
+def paged_support(model=None, config=None) -> str | None:
+    """Why a transformers causal LM (a ``config``, before loading, or the loaded ``model``) cannot
+    run paged; None when it can."""
+    cfg = config if model is None else model.config
+    if cfg.model_type not in PAGED_MODEL_TYPES:
+        return f"model_type {cfg.model_type!r} (paged: {', '.join(PAGED_MODEL_TYPES)})"
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        return f"layer_types {sorted(types)}: only full attention layers are supported"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    if model is None:
+        return None
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -157,11 +169,6 @@ def paged_support(model) -> str | None:
         attn = getattr(layer, "self_attn", None)
         if attn is None or getattr(attn, "layer_idx", None) != i:
             return f"decoder layer {i} has no self-attention with layer_idx (recurrent or other mixer)"
-    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if types != {"full_attention"}:
-        return f"layer_types {sorted(types)}: only full attention layers are supported"
-    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-        return "sliding-window attention"
     return None
 
 
@@ -225,10 +232,13 @@ class PagedDraftModel:
         with hidden_fla(str(device) == "cpu"):
             import transformers
 
+            why = paged_support(config=transformers.AutoConfig.from_pretrained(path))
+            if why is not None:
+                raise NotImplementedError(f"the draft {path} cannot run paged: {why}")
             torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
             self.model = transformers.AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch_dtype, attn_implementation=ATTN_NAME).to(device).eval()
-        why = paged_support(self.model)
+        why = paged_support(model=self.model)
         if why is not None:
             raise NotImplementedError(f"the draft {path} cannot run paged: {why}")
         cfg = self.model.config
