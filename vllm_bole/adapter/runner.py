@@ -324,14 +324,15 @@ class TreeRunnerMixin:
         self._bole_stats["verify_commit_s"] += dt
         self._bole_metrics.observe("vllm:bole_verify_commit_seconds", dt)
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
+        host = res.to("cpu")
         grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int64)
         grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
-        grid[P:] = res.output_token_ids.cpu()
+        grid[P:] = host.output_token_ids
         logprobs = None
         if md.max_num_logprobs is not None:
             logprobs = emitted_logprobs(self.sampler, self._bole_logprobs_mode, logits, P, tree, res, grid,
                                         md.max_num_logprobs)
-        acc = res.num_accepted.tolist()
+        acc = host.num_accepted.tolist()
         st = self._bole_stats
         st["tree_steps"] += 1
         st["mixed_tree_steps"] += int(P > 0)
@@ -340,7 +341,7 @@ class TreeRunnerMixin:
         st["accepted"] += sum(acc)
         for r, rid in enumerate(step.req_ids):
             self._bole_accept_log.append((rid, step.chain_len[r], acc[r]))
-        self._bole_branch += branch_counts(tree, res)
+        self._bole_branch += branch_counts(step.host_tree, host)
         if self._bole_budget is not None:
             times = self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
                                               float(step.prefix_len.sum()))
@@ -419,13 +420,15 @@ class TreeRunnerMixin:
             tree = TreeBatch.from_parents([[-1]], [[0]]).select([-1] * len(rows), sizes, root_tokens=roots)
         dev = self.device
         chain = tree.first_child_depth().tolist()
-        tree = tree.to(dev)
-        prefix = torch.from_numpy(ib.num_computed_tokens_cpu[rows].astype(np.int64)).to(dev)
+        host_tree, tree = tree, tree.to(dev)
+        prefix_np = ib.num_computed_tokens_cpu[rows].astype(np.int64)
+        prefix = torch.from_numpy(prefix_np).to(dev)
         block_tables = {g.group: ib.block_table[g.group].block_table.cpu[rows].to(dev) for g in self._bole_attention}
         state_slots = {gid: ib.block_table[gid].block_table.cpu[rows, 0].long().to(dev) for gid in self._bole_recurrent}
-        return TreeStep(num_plain=P, tok_start=int(self.query_start_loc.cpu[P]), tree=tree, prefix_len=prefix,
+        return TreeStep(num_plain=P, tok_start=int(self.query_start_loc.cpu[P]), tree=tree, host_tree=host_tree,
+                        prefix_len=prefix,
                         req_ids=[ib.req_ids[i] for i in rows], rows=rows, block_tables=block_tables,
-                        state_slots=state_slots, fresh=prefix == 0, chain_len=chain, kernels=self.bole_config.kernels)
+                        state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain, kernels=self.bole_config.kernels)
 
     def _bole_check_slots(self, step: TreeStep) -> None:
         """The KV slots vLLM writes the tree tokens to are the core's tree slots."""

@@ -25,12 +25,13 @@ class TreeStep:
     num_plain: int  # plain requests (persistent-batch rows 0 .. num_plain-1)
     tok_start: int  # first tree token (= tokens of the plain requests)
     tree: TreeBatch  # the tree requests, rows num_plain .. num_reqs-1
+    host_tree: TreeBatch  # the same trees on the host (bookkeeping without device syncs)
     prefix_len: torch.Tensor  # [Bt] int64 committed tokens before each root
     req_ids: list[str]  # [Bt]
     rows: list[int]  # [Bt] persistent-batch rows
     block_tables: dict[int, torch.Tensor]  # KV-cache group -> [Bt, max_blocks] int32 (attention groups)
     state_slots: dict[int, torch.Tensor]  # KV-cache group -> [Bt] int64 (recurrent groups)
-    fresh: torch.Tensor  # [Bt] bool: no committed state yet (prefix_len == 0)
+    fresh: torch.Tensor  # [Bt] bool, on the host (no device sync to test it): no committed state yet
     chain_len: list[int]  # [Bt] depth of each tree's first-child chain (the drafter's greedy chain)
     kernels: str = "auto"  # core kernels: auto (Triton on CUDA, torch on CPU), torch, triton
 

@@ -89,6 +89,10 @@ class VerificationResult:
         """[B] accepted draft tokens (root excluded)."""
         return self.num_emitted - 1
 
+    def to(self, device) -> "VerificationResult":
+        return VerificationResult(*(getattr(self, f).to(device) for f in
+                                    ("output_token_ids", "num_emitted", "accepted_nodes", "last_node")))
+
     def tokens(self, r: int) -> list[int]:
         return self.output_token_ids[r, : int(self.num_emitted[r])].tolist()
 

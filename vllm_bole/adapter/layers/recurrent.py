@@ -79,8 +79,8 @@ class RecurrentLayer:
         first. Returns (conv_out [T, C], slots [Bt])."""
         slots = step.state_slots[self.group]
         conv_state = conv_state_view(self.module.kv_cache[0])
-        if bool(step.fresh.any()):
-            fresh = slots[step.fresh]
+        if bool(step.fresh.any()):  # a host tensor: no device sync
+            fresh = slots[step.fresh.to(slots.device)]
             conv_state[fresh] = 0
             self.state_view()[fresh] = 0
         out = tree_conv(conv_in, weight, conv_state, slots, step.tree, bias=bias, activation=activation,
