@@ -41,7 +41,17 @@ Builders at N in ``--budgets``:
                   (teacher-forced ranks of the target's tokens, conditioned on the parent's path
                   being within the table's ranks); never on the test prompts;
   ``best-first``  ngram: ``build_best_first`` from the one-pass marginals; draft-head:
-                  ``build_best_first_autoregressive`` (exact: top_k = N, no beam); depth <= N.
+                  ``build_best_first_autoregressive`` (exact: top_k = N, no beam); depth <= N;
+                  draft-chain: the runtime builder on the chain's per-depth candidates;
+  ``best-first-cal`` the runtime builder with the engine's calibration
+                  (``vllm_bole.spec_decode.calibration``): factors per (depth, node kind) learnt
+                  online from what each simulated step accepted, first over the calibration
+                  prompts, then on through the test prompts (as an engine keeps learning).
+
+A third drafter, ``draft-chain``, is the draft head used as the engine's draft model is: its greedy
+chain and the top-16 at every depth (one candidate row per depth, conditioned on the chain), the
+form ``PagedDraftModel`` hands the builder; ``draft-head`` best-first is the same head expanded node
+by node (every node's children from its own context), what a tree-expanding drafter would give.
 
 Target generations and the drafter are cached (keyed by their settings); ``--no-cache`` ignores
 the cache. Device: CPU; ``--threads`` (default 1: on a shared 2-core machine one thread is
@@ -68,10 +78,14 @@ from acceptance_data import GGUF_FILE, T0, cached_generation, chat_ids, humaneva
     mtbench_prompts  # noqa: E402
 from acceptance_sim import Corpus, NgramTable, sequoia_table, simulate  # noqa: E402
 from draft_head import get_head  # noqa: E402
+from vllm_bole.spec_decode.calibration import Calibration  # noqa: E402
 from vllm_bole.spec_decode.ngram import NgramDrafter  # noqa: E402
 from vllm_bole.spec_decode.offline import StaticTree, optimal_static_tree  # noqa: E402
 
-BUILDERS = ("chain", "k-ary", "sequoia", "best-first")
+BUILDERS = ("chain", "k-ary", "sequoia", "best-first", "best-first-cal")
+DRAFTERS = {"ngram": ("chain", "k-ary", "sequoia", "best-first", "best-first-cal"),
+            "draft-head": ("chain", "k-ary", "sequoia", "best-first"),
+            "draft-chain": ("best-first", "best-first-cal")}
 
 
 # ------------------------------------------------------------------------------------- main
@@ -142,7 +156,7 @@ def plot(rows, budgets, path: Path, title: str):
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))
     fig, axes = plt.subplots(1, len(drafters), figsize=(5.2 * len(drafters), 4.2), squeeze=False)
     styles = {"chain": ("tab:gray", "o"), "k-ary": ("tab:blue", "s"), "sequoia": ("tab:green", "^"),
-              "best-first": ("tab:red", "D")}
+              "best-first": ("tab:red", "D"), "best-first-cal": ("tab:purple", "v")}
     for ax, dr in zip(axes[0], drafters):
         for b in BUILDERS:
             rs = sorted((r for r in rows if r["drafter"] == dr and r["builder"] == b and r["dataset"] == "all"),
@@ -217,14 +231,17 @@ def main(argv=None):
 
     rows, templates = [], {}
     t_sim = time.time()
-    for drafter in ("ngram", "draft-head"):
+    calibrations = {}
+    for drafter, builders in DRAFTERS.items():
         t = time.time()
-        tables = {ds: sequoia_table(drafter, corpora[(ds, "calib")], Dmax, args.stat_ranks, args.calib_stride,
-                                    ngram_table=ngram_tables[(ds, "calib")], head=head) for ds in datasets}
-        log(f"{drafter}: Sequoia acceptance tables from calibration prompts ({time.time() - t:.0f}s); "
-            + "; ".join(f"{ds} p[d1]: " + " ".join(f"{x:.2f}" for x in tables[ds][0, :4].tolist()) for ds in datasets))
+        if "sequoia" in builders:
+            tables = {ds: sequoia_table(drafter, corpora[(ds, "calib")], Dmax, args.stat_ranks, args.calib_stride,
+                                        ngram_table=ngram_tables[(ds, "calib")], head=head) for ds in datasets}
+            log(f"{drafter}: Sequoia acceptance tables from calibration prompts ({time.time() - t:.0f}s); "
+                + "; ".join(f"{ds} p[d1]: " + " ".join(f"{x:.2f}" for x in tables[ds][0, :4].tolist())
+                            for ds in datasets))
         for N in budgets:
-            for builder in BUILDERS:
+            for builder in builders:
                 per_ds = {}
                 for ds in datasets:
                     if builder == "chain":
@@ -239,8 +256,16 @@ def main(argv=None):
                     else:
                         tmpl = None
                     corp = corpora[(ds, "test")]
+                    cal = None
+                    if builder == "best-first-cal":  # learnt on the calibration prompts, then on through the test
+                        cal = Calibration()
+                        simulate(drafter, builder, N, None, corpora[(ds, "calib")], ngram_tables[(ds, "calib")], head,
+                                 calibration=cal)
                     tb = time.time()
-                    steps, acc, nodes = simulate(drafter, builder, N, tmpl, corp, ngram_tables[(ds, "test")], head)
+                    steps, acc, nodes = simulate(drafter, builder, N, tmpl, corp, ngram_tables[(ds, "test")], head,
+                                                 calibration=cal)
+                    if cal is not None:
+                        calibrations[f"{drafter}/{ds}/N={N}"] = cal.rates(min(N, 8))
                     per_ds[ds] = (steps, acc, corp, time.time() - tb)
                 for ds, (steps, acc, corp, sec) in per_ds.items():
                     rows.append(row(drafter, builder, N, ds, steps, acc, corp, sec))
@@ -298,6 +323,7 @@ def main(argv=None):
         "draft_head": head_info,
         "draft_vocab_coverage_of_test_tokens": coverage,
         "sequoia_templates": templates,
+        "calibration": calibrations,
         "timings": timings,
         "target": target,
         "rows": rows,
@@ -311,10 +337,10 @@ def main(argv=None):
          f"<= {args.new_tokens} tokens each; mean accepted draft tokens per step (bonus excluded)")
     # table
     print()
-    print(f"{'drafter':10s} {'builder':10s} " + " ".join(f"N={n:<5d}" for n in budgets))
-    for dr in ("ngram", "draft-head"):
-        for b in BUILDERS:
-            print(f"{dr:10s} {b:10s} " + " ".join(f"{get(dr, b, n):7.3f}" for n in budgets))
+    print(f"{'drafter':11s} {'builder':14s} " + " ".join(f"N={n:<5d}" for n in budgets))
+    for dr, builders in DRAFTERS.items():
+        for b in builders:
+            print(f"{dr:11s} {b:14s} " + " ".join(f"{get(dr, b, n):7.3f}" for n in budgets))
     if target:
         print(f"\ntarget (draft-head, N=32): best-first/chain = {target['ratio_best_first_over_chain']} "
               f"(need >= 1.15), best-first {target['best_first']} vs k-ary {target['k_ary']}: "

@@ -16,6 +16,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from vllm_bole.spec_decode.best_first import best_first_slots
+from vllm_bole.spec_decode.calibration import Calibration, kind_counts
+from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.offline import (
     acceptance_stats,
@@ -30,6 +33,7 @@ __all__ = [
     "NgramTable",
     "accepted_lengths",
     "build_trees",
+    "chain_candidates",
     "compact_candidates",
     "conditioned_observations",
     "rank_of",
@@ -200,6 +204,39 @@ class NgramTable:
         return self.tokens[idx, :D], self.probs[idx, :D]
 
 
+def chain_candidates(head, hidden: torch.Tensor, roots: torch.Tensor, D: int, K: int):
+    """The draft head's greedy chain and its top-``K`` per depth: ``(tokens [B, D, K]`` shortlist ids,
+    ``probs [B, D, K], nodes evaluated)``, what a chain drafter (the runtime's draft model) hands the
+    builder: one candidate row per depth, conditioned on the chain's own context."""
+    from draft_head import HeadStepFn
+
+    from vllm_bole.spec_decode.offline.trees import Frontier
+
+    B = roots.numel()
+    step = HeadStepFn(head, hidden, roots)
+    req, tok, path = torch.arange(B), roots.long(), roots.long()[:, None]
+    toks, probs = [], []
+    for d in range(D):
+        fr = Frontier(request=req, node_id=torch.full((B,), d), parent_id=torch.full((B,), d - 1), token=tok,
+                      depth=d, path_tokens=path)
+        p, t = step(fr).topk(K, dim=-1)
+        toks.append(t)
+        probs.append(p)
+        tok = t[:, 0]
+        path = torch.cat([path, tok[:, None]], 1)
+    return torch.stack(toks, 1), torch.stack(probs, 1), step.nodes
+
+
+def runtime_trees(roots, tok, prob, N: int, calibration: Calibration | None):
+    """The runtime builder (``best_first_slots``, optionally calibrated) on per-depth candidates;
+    ``(tree, node token in the candidates' ids, -1 for roots and empty nodes)``."""
+    cands = Candidates(tok.long(), torch.where(tok >= 0, prob.float(), 0.0))
+    tree = best_first_slots(roots, cands, N, max_depth=N,
+                            calibration=calibration.factors() if calibration is not None else None).tree()
+    ok = (tree.depth > 0) & (tree.draft_prob > 0)
+    return tree, torch.where(ok, tree.token_ids, torch.full_like(tree.token_ids, -1))
+
+
 def build_trees(drafter: str, builder: str, N: int, template, roots, ngram=None, step=None):
     """One batch of trees. Returns (tree, node_tokens in real ids)."""
     if drafter == "ngram":
@@ -250,7 +287,12 @@ def sequoia_table(drafter: str, corpus: Corpus, D: int, K: int, stride: int, ngr
 
 
 def simulate(drafter: str, builder: str, N: int, template, corpus: Corpus, ngram_table=None, head=None,
-             chunk: int = 256):
+             chunk: int = 256, calibration: Calibration | None = None, chain_k: int = 16):
+    """Simulated decoding of ``corpus`` (:func:`walk`); returns (steps [P], accepted [P], drafter
+    nodes evaluated). Drafters ``ngram``, ``draft-head`` (expanded node by node) and ``draft-chain``
+    (the head's greedy chain with its top-``chain_k`` per depth). Builders of the runtime's
+    candidates (``best-first`` for ``draft-chain``, ``best-first-cal``): ``calibration`` is updated
+    after every step with what the step accepted, as the engine does."""
     from draft_head import HeadStepFn
 
     stats = {"nodes": 0}
@@ -260,6 +302,22 @@ def simulate(drafter: str, builder: str, N: int, template, corpus: Corpus, ngram
         for i in range(0, p.numel(), chunk):
             pp, tt = p[i:i + chunk], t[i:i + chunk]
             roots = corpus.roots(pp, tt)
+            if drafter == "draft-chain" or builder == "best-first-cal":
+                if drafter == "ngram":
+                    tok, prob = ngram_table.get(pp, tt, N)
+                    table = None
+                else:
+                    tok, prob, n = chain_candidates(head, corpus.hidden(pp, tt), roots, N, min(chain_k, N))
+                    stats["nodes"] += n
+                    table = head.shortlist
+                tree, nt = runtime_trees(roots, tok, prob, N, calibration if builder == "best-first-cal" else None)
+                if table is not None:
+                    nt = torch.where(nt >= 0, table[nt.clamp(min=0)], nt)
+                acc, last = accepted_lengths(tree, nt, corpus.reference(pp, tt, N))
+                if calibration is not None and builder == "best-first-cal":
+                    calibration.update(kind_counts(tree, tree.path[last]))
+                out.append(acc)
+                continue
             if drafter == "ngram":
                 tree, nt = build_trees(drafter, builder, N, template, roots, ngram=ngram_table.get(pp, tt, N))
             else:

@@ -22,6 +22,10 @@ Fields (every other key is refused, with the list of allowed ones):
 * ``eps``: with ``"auto"``, a step's verification may cost at most ``1 + eps`` times a plain
   decoding step of the same batch (Bole's cap; default 1.0; ``null``: no cap, throughput alone).
 * ``min_budget``: with ``"auto"``, draft nodes every request with candidates gets first (default 0).
+* ``calibrate``: ``true`` (default): the tree builder rescales the drafter's probabilities per
+  (depth, node kind: main path, its siblings, their subtrees) by the acceptance measured on this
+  engine's verified trees (:mod:`vllm_bole.spec_decode.calibration`); ``false``: the drafter's own
+  probabilities. Lossless either way (only the trees' shapes change).
 * ``max_depth``: deepest draft node (1-64, default 8; capped at ``num_speculative_tokens``).
 * ``top_k``: candidate children per node considered by the best-first builder (default: the
   budget, which makes the builder exact).
@@ -70,6 +74,7 @@ class TreeSpecConfig(BaseModel):
     eps: float | None = Field(default=1.0, ge=0)
     min_budget: int = Field(default=0, ge=0)
     max_depth: int = Field(default=8, ge=1, le=MAX_DEPTH)
+    calibrate: bool = True
     top_k: int | None = Field(default=None, ge=1)
     model: str | None = None
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -48,8 +48,7 @@ from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tre
 from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
 from vllm_bole.attention.tree_attention import tree_slot_mapping
 from vllm_bole.config import TreeSpecConfig
-from vllm_bole.spec_decode.branch_stats import COLUMNS as BRANCH_COLUMNS
-from vllm_bole.spec_decode.branch_stats import branch_counts
+from vllm_bole.spec_decode.calibration import BRANCH_COLUMNS, Calibration, branch_columns, kind_counts
 from vllm_bole.spec_decode.draft_model import HFDraftModel
 from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.paged_draft import PagedDraftModel
@@ -104,7 +103,8 @@ class TreeRunnerMixin:
                                 verified_requests=0, draft_s=0.0, verify_commit_s=0.0)
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
-        self._bole_branch = torch.zeros(MAX_DEPTH + 1, len(BRANCH_COLUMNS), dtype=torch.long)  # per depth
+        self._bole_calibration = Calibration()  # decaying: the builder's factors
+        self._bole_kinds = torch.zeros_like(self._bole_calibration.counts)  # since start: the stats
         self._bole_metrics = WorkerMetrics(snapshot_path(self.vllm_config) if _first_rank() else None)
         top_k = min(config.top_k or config.num_speculative_tokens, MAX_TOP_K)
         self._bole_drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max, top_k=top_k,
@@ -341,7 +341,9 @@ class TreeRunnerMixin:
         st["accepted"] += sum(acc)
         for r, rid in enumerate(step.req_ids):
             self._bole_accept_log.append((rid, step.chain_len[r], acc[r]))
-        self._bole_branch += branch_counts(step.host_tree, host)
+        kinds = kind_counts(step.host_tree, host.accepted_nodes)
+        self._bole_kinds += kinds
+        self._bole_calibration.update(kinds)
         if self._bole_budget is not None:
             times = self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
                                               float(step.prefix_len.sum()))
@@ -374,14 +376,18 @@ class TreeRunnerMixin:
     def bole_stats(self) -> dict:
         """Counters (steps, tree steps, drafted nodes, accepted nodes) and the per-step log of
         (request, drafted greedy-chain length, accepted draft nodes); ``branch_by_depth``: per depth
-        1..max_depth, main-path and sibling nodes reached and accepted (``spec_decode.branch_stats``,
-        since the engine started); with ``budget: "auto"`` the
+        1..max_depth, main-path and sibling nodes reached and accepted since the engine started;
+        ``calibration``: per node kind (main, branch, off) and depth the recent acceptance rates and
+        the builder's factors (``spec_decode.calibration``); with ``budget: "auto"`` the
         controller's counters (budget_steps, budget_nodes, budget_last: the latest per-request
         budgets, observed_steps, predicted_step_s / measured_step_s: sums over observed steps)."""
         budget = self._bole_auto.stats if self._bole_auto is not None else {}
         depth = slice(1, self.bole_config.depth + 1)
-        branch = {c: self._bole_branch[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}
-        return dict(self._bole_stats, **budget, branch_by_depth=branch, accept_log=list(self._bole_accept_log))
+        cols = branch_columns(self._bole_kinds)
+        branch = {c: cols[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}
+        return dict(self._bole_stats, **budget, branch_by_depth=branch,
+                    calibration=self._bole_calibration.rates(self.bole_config.depth),
+                    accept_log=list(self._bole_accept_log))
 
     # ------------------------------------------------------------------ tree step
     def _bole_build_step(self, scheduler_output, num_scheduled_tokens) -> TreeStep | None:
@@ -486,7 +492,8 @@ class TreeRunnerMixin:
         budget = self._bole_budget
         tree, choice = draft_trees(self._bole_drafter, roots, hists, depths, cfg.fixed_budget or cfg.num_speculative_tokens,
                                    max_depth=cfg.depth, top_k=cfg.top_k, controller=budget and budget.controller(self),
-                                   kv_lens=[len(h) for h in hists], keys=req_ids)
+                                   kv_lens=[len(h) for h in hists], keys=req_ids,
+                                   calibration=self._bole_calibration.factors() if cfg.calibrate else None)
         if choice is not None:
             budget.chosen(choice)
             self._bole_metrics.observe("vllm:bole_budget_nodes", choice.total)

@@ -38,6 +38,7 @@ Algorithm (:func:`grow`)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -63,6 +64,7 @@ class Slots:
     qprob: torch.Tensor  # [B, S] float32 the node's draft probability (1 for the root)
     row: torch.Tensor  # [B, S] int64 child-distribution row from ``expand`` (-1: none)
     nid: torch.Tensor  # [B, S] int64 node id, unique within a request for the whole search (root 0)
+    kind: torch.Tensor  # [B, S] int64 calibration kind (``calibration.KINDS``: main, branch, off)
 
     def tree(self) -> TreeBatch:
         """The kept nodes as a :class:`TreeBatch` (validated) on the slots' device."""
@@ -70,7 +72,8 @@ class Slots:
         cu = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
         cu[1:] = counts.cumsum(0)
         flat = self.valid.reshape(-1)
-        return TreeBatch.from_flat(self.parent.reshape(-1)[flat], self.token.reshape(-1)[flat], cu).to(counts.device)
+        tree = TreeBatch.from_flat(self.parent.reshape(-1)[flat], self.token.reshape(-1)[flat], cu)
+        return dataclasses.replace(tree, draft_prob=self.qprob.reshape(-1)[flat].cpu()).to(counts.device)
 
     def flat(self, name: str) -> torch.Tensor:
         """A per-slot field of the kept nodes, flat in the tree's node order."""
@@ -117,10 +120,14 @@ def _select(cand_log: torch.Tensor, cand_valid: torch.Tensor, slots: torch.Tenso
 
 
 def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int, *,
-         total_budget: int | None = None, beam: int | None = None) -> Slots:
+         total_budget: int | None = None, beam: int | None = None, calibration: torch.Tensor | None = None) -> Slots:
     """Level-wise exact best-first search (module docstring). ``root [B]`` root tokens, ``caps
     [B]`` draft-node budgets; ``expand`` gives the candidate children of the frontier nodes
-    (``(request, slot)`` pairs of depth ``d``; probability ``<= 0`` = no child)."""
+    (``(request, slot)`` pairs of depth ``d``; probability ``<= 0`` = no child), most probable
+    first. ``calibration`` ``[MAX_DEPTH + 1, 3]``: factors per (child depth, child kind)
+    (:class:`~vllm_bole.spec_decode.calibration.Calibration`); a child is then scored by
+    ``min(f q, 1)``, made non-increasing along its siblings (so the first child stays the most
+    probable one and kinds keep their meaning); ``qprob`` keeps the drafter's ``q``."""
     device = root.device
     B = root.numel()
     S = int(caps.max()) + 1
@@ -133,6 +140,7 @@ def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int,
         qprob=torch.ones(B, S, dtype=torch.float32, device=device),
         row=torch.full((B, S), -1, dtype=torch.long, device=device),
         nid=torch.zeros(B, S, dtype=torch.long, device=device),
+        kind=torch.zeros(B, S, dtype=torch.long, device=device),
     )
     s.valid[:, 0] = True
     s.token[:, 0] = root
@@ -155,6 +163,15 @@ def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int,
             break
         vals, toks, rows = expand(fb, fs, d, s)
         c = vals.shape[1]
+        # kind of each child: the first child of a main node is main, its later children branch, the
+        # children of branch and off nodes off
+        pk = s.kind[fb, fs][:, None]
+        col = torch.arange(c, device=device)[None, :]
+        ckind = torch.where(pk == 0, torch.where(col == 0, 0, 1), 2)
+        score = vals
+        if calibration is not None:
+            f = calibration.to(device)[d + 1][ckind]
+            score = torch.where(vals > 0, (vals.float() * f).clamp(max=1.0).cummin(1).values, vals.float())
         if rows is not None:
             s.row[fb, fs] = rows
         # candidates: the kept nodes, then the children of the frontier (F_b nodes per request, in slot order)
@@ -168,8 +185,10 @@ def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int,
         cq[fb, fpos] = vals.float()
         cvalid = torch.zeros(B, Fm, c, dtype=torch.bool, device=device)
         cvalid[fb, fpos] = vals > 0
+        ck = torch.zeros(B, Fm, c, dtype=torch.long, device=device)
+        ck[fb, fpos] = ckind
         clog = torch.full((B, Fm, c), -math.inf, dtype=torch.float64, device=device)
-        clog[fb, fpos] = s.logrho[fb, fs, None] + vals.double().log()
+        clog[fb, fpos] = s.logrho[fb, fs, None] + score.double().log()
         clog = torch.where(cvalid, clog, torch.full_like(clog, -math.inf)).reshape(B, Fm * c)
         keep = _select(torch.cat([s.logrho, clog], 1), torch.cat([s.valid, cvalid.reshape(B, Fm * c)], 1),
                        slots, total_budget)
@@ -199,6 +218,7 @@ def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int,
             qprob=pick(s.qprob, cq.reshape(B, -1).gather(1, cpos), 0.0),
             row=torch.where(is_old, s.row.gather(1, oslot), torch.full_like(oslot, -1)),
             nid=torch.where(is_old, s.nid.gather(1, oslot), next_id + pslot * c + cpos % c),
+            kind=pick(s.kind, ck.reshape(B, -1).gather(1, cpos), 0),
         )
         next_id += S * c
     return s
@@ -217,6 +237,7 @@ def best_first_slots(
     max_depth: int | None = None,
     top_k: int | None = None,
     total_budget: int | None = None,
+    calibration: torch.Tensor | None = None,
 ) -> Slots:
     """Best-first over per-depth candidates (module docstring), as the search's :class:`Slots`.
 
@@ -224,8 +245,9 @@ def best_first_slots(
     ``[B, D, K]`` from a drafter. ``budget``: draft nodes per request (int, sequence or ``[B]``;
     0: root only). ``max_depth``: default ``D``. ``top_k``: children considered per node (the
     first ``top_k`` candidates of the next depth; default all ``K``). ``total_budget``: optional
-    cap on the draft nodes of the whole batch. Every request's tree (a request without candidates
-    is its root alone) on the candidates' device."""
+    cap on the draft nodes of the whole batch. ``calibration``: per (depth, kind) factors on the
+    draft probabilities (:func:`grow`). Every request's tree (a request without candidates is its
+    root alone) on the candidates' device."""
     root = torch.as_tensor(root_tokens, dtype=torch.long).flatten().to(candidates.tokens.device)
     B, D, K = candidates.tokens.shape
     if root.numel() != B or B == 0:
@@ -245,4 +267,4 @@ def best_first_slots(
     def expand(fb, fs, d, _slots):
         return prob[fb, d], tok[fb, d], None
 
-    return grow(root, expand, caps, L, total_budget=total_budget)
+    return grow(root, expand, caps, L, total_budget=total_budget, calibration=calibration)

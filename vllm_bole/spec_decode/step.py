@@ -32,19 +32,23 @@ __all__ = ["Sampling", "TreeLayer", "commit", "draft_trees", "verify_tree"]
 
 def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequence[int]], depths: Sequence[int],
                 budget: int, *, max_depth: int, top_k: int | None = None, controller: BudgetController | None = None,
-                kv_lens: Sequence[int] | None = None, keys: Sequence | None = None) -> tuple[TreeBatch, Choice | None]:
+                kv_lens: Sequence[int] | None = None, keys: Sequence | None = None,
+                calibration: torch.Tensor | None = None) -> tuple[TreeBatch, Choice | None]:
     """Best-first trees of at most ``budget`` draft nodes per request from the drafter's per-depth
     candidates; a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the
     last committed tokens. With a ``controller`` the trees grown at ``budget`` are cut to the
     budgets it chooses for the batch (``kv_lens`` [B]: the requests' context lengths); returns the
     trees and that choice (None without a controller). ``keys`` [B] identify the requests to a
-    drafter that keeps per-request state across steps (the paged draft model)."""
+    drafter that keeps per-request state across steps (the paged draft model). ``calibration``:
+    the builder's per (depth, kind) factors (:class:`~vllm_bole.spec_decode.calibration.Calibration`).
+    The trees carry the drafter's probability of every node (``draft_prob``)."""
     cands = drafter.propose(histories, depths, keys=keys)
+    opts = dict(max_depth=max_depth, top_k=top_k, calibration=calibration)
     if controller is None:
-        return best_first_tree(roots, cands, budget, max_depth=max_depth, top_k=top_k), None
-    full = best_first_slots(roots, cands, budget, max_depth=max_depth, top_k=top_k)
+        return best_first_tree(roots, cands, budget, **opts), None
+    full = best_first_slots(roots, cands, budget, **opts)
     choice = controller.choose(full.logrho, full.valid, kv_lens)
-    return best_first_tree(roots, cands, choice.budgets, max_depth=max_depth, top_k=top_k), choice
+    return best_first_tree(roots, cands, choice.budgets, **opts), choice
 
 
 @dataclass

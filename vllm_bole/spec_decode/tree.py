@@ -48,6 +48,7 @@ class TreeBatch:
     path: torch.Tensor  # [T, max_depth + 1] int32
     anc_mask: torch.Tensor  # [T, ceil(MAX_NODES / 32)] int32
     max_nodes: int  # largest tree of the batch (host-side, so launchers never sync)
+    draft_prob: torch.Tensor | None = None  # [T] float32 the drafter's probability of each node (roots 1), if known
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -181,9 +182,10 @@ class TreeBatch:
         bits[torch.arange(T, device=dev), local // 32] |= torch.where(local > 0, 1 << (local % 32), 0)
         bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
         anc = torch.where(isreal[:, None], self.anc_mask[src], bits)
+        q = None if self.draft_prob is None else torch.where(isreal, self.draft_prob[src], (local == 0).float())
         return TreeBatch(token_ids=token, parent=parent.to(torch.int32), depth=depth.to(torch.int32),
                          cu_nodes=cu.to(torch.int32), path=path.to(torch.int32), anc_mask=anc,
-                         max_nodes=int(n.max()))
+                         max_nodes=int(n.max()), draft_prob=q)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
