@@ -1,5 +1,6 @@
 """The engine-agnostic decode step (``vllm_bole.spec_decode.step``) driven without vLLM: a small torch
-hybrid model (conv + Gated DeltaNet layer, then a full-attention layer over a paged KV cache), its
+hybrid model (conv + Gated DeltaNet layer, a gated Mamba1 layer, then a full-attention layer over a
+paged KV cache), its
 tree forward through the core ops and its commit through TreeLayer objects, against greedy decoding
 of the same model by the float64 sequential oracles. Tree speculative decoding must emit exactly
 the oracle's greedy tokens, whatever the drafter proposes (right chains, wrong chains, siblings)."""
@@ -10,17 +11,20 @@ import torch
 import torch.nn.functional as F
 
 from vllm_bole import gdn
+from vllm_bole.mamba import mamba1_tree
 from vllm_bole.attention.kv_compaction import compact_accepted_kv
 from vllm_bole.attention.tree_attention import tree_attention, tree_slot_mapping
 from vllm_bole.mamba.tree_conv import commit_conv_state, tree_conv
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.step import commit, draft_trees, verify_tree
 from vllm_bole.spec_decode.tree import TreeBatch
-from vllm_bole.testing.oracles import attention_tree_reference, chain_tree, conv_tree_reference, gdn_tree_reference
+from vllm_bole.testing.oracles import (attention_tree_reference, chain_tree, conv_tree_reference, gdn_tree_reference,
+                                      mamba1_tree_reference)
 
 VOCAB, HID, W = 48, 32, 4
 HK, HV, K, V = 1, 2, 16, 16
 HQ, HKV, D = 2, 1, 16
+DN, N1 = 16, 8  # Mamba1 channels and state
 BLOCK, NBLOCKS = 8, 64
 BUDGET, DEPTH = 6, 3
 
@@ -40,6 +44,15 @@ class ToyModel:
         self.wq, self.wk, self.wv = (r(HID, h * D, std=HID**-0.5) for h in (HQ, HKV, HKV))
         self.w_o2 = r(HQ * D, HID, std=3 * (HQ * D) ** -0.5)
         self.w_head = r(HID, VOCAB, std=HID**-0.5)
+        self.m1_in, self.m1_conv = r(HID, 2 * DN, std=HID**-0.5), r(DN, W, std=0.5)
+        self.m1_dt, self.m1_B, self.m1_C = r(DN, DN, std=DN**-0.5), r(DN, N1, std=DN**-0.5), r(DN, N1, std=DN**-0.5)
+        self.m1_A = -torch.exp(r(DN, N1, std=0.5))
+        self.m1_D, self.m1_bias = r(DN), r(DN, std=0.3)
+        self.m1_out = r(DN, HID, std=10 * DN**-0.5)
+
+    def _mamba1_inputs(self, conv_out):
+        d = conv_out.dtype
+        return conv_out @ self.m1_dt.to(d), conv_out @ self.m1_B.to(d), conv_out @ self.m1_C.to(d)
 
     def _gdn_inputs(self, x, mixed_conv):
         q, k, v = mixed_conv.split([HK * K, HK * K, HV * V], dim=-1)
@@ -59,6 +72,12 @@ class ToyModel:
         q, k, v, g, beta = self._gdn_inputs(x, mixed)
         o, _ = gdn_tree_reference(tree, q, k, v, g, beta, torch.zeros(1, HV, K, V, dtype=d))
         x = x + o.reshape(-1, HV * V) @ self.w_o1.to(d)
+        xi, z = (x @ self.m1_in.to(d)).chunk(2, dim=-1)
+        cx, _ = conv_tree_reference(tree, xi, self.m1_conv.to(d), torch.zeros(1, DN, W - 1, dtype=d))
+        dt, Bm, Cm = self._mamba1_inputs(cx)
+        y, _ = mamba1_tree_reference(tree, cx, dt, self.m1_A, Bm, Cm, torch.zeros(1, DN, N1, dtype=d), D=self.m1_D, z=z,
+                                     dt_bias=self.m1_bias)
+        x = x + y @ self.m1_out.to(d)
         T = x.shape[0]
         qa, ka, va = (x @ w.to(d) for w in (self.wq, self.wk, self.wv))
         empty = torch.zeros(0, HKV, D, dtype=d)
@@ -92,6 +111,35 @@ class ToyGDN:
                           kernels=self.kernels)
         gdn.stash_accepted_path(self.pending, self.slots, tree, res.accepted_nodes.to(torch.int32)[:, : DEPTH + 1],
                                 k, v, g, beta, kernels=self.kernels)
+
+
+class ToyMamba1:
+    """The gated Mamba1 layer's conv and SSM states (one slot per request) as a TreeLayer."""
+
+    def __init__(self, model: ToyModel, B: int, kernels: str):
+        self.m, self.kernels = model, kernels
+        self.conv_state = torch.zeros(B, DN, W - 1)
+        self.state = torch.zeros(B, DN, N1)
+        self.pending = mamba1_tree.PendingPath.empty(B, DEPTH + 1, DN, N1, dtype=torch.float32)
+        self.slots = torch.arange(B)
+
+    def forward(self, tree, x):
+        m = self.m
+        xi, z = (x @ m.m1_in).chunk(2, dim=-1)
+        xi = xi.contiguous()
+        cx = tree_conv(xi, m.m1_conv, self.conv_state, self.slots, tree, kernels=self.kernels)
+        dt, Bm, Cm = m._mamba1_inputs(cx)
+        y = mamba1_tree.mamba1_tree_step(cx, dt, m.m1_A, Bm, Cm, tree, self.state, self.slots, self.pending, D=m.m1_D,
+                                         z=z.contiguous(), dt_bias=m.m1_bias, kernels=self.kernels)
+        self.saved = (xi, cx, dt, Bm)
+        return y @ m.m1_out
+
+    def commit(self, tree, res):
+        xi, cx, dt, Bm = self.saved
+        commit_conv_state(self.conv_state, self.slots, tree, res.last_node.long() - tree.cu_nodes[:-1].long(), xi,
+                          kernels=self.kernels)
+        mamba1_tree.stash_accepted_path(self.pending, self.slots, tree, res.accepted_nodes.to(torch.int32)[:, : DEPTH + 1],
+                                        cx, dt, Bm, kernels=self.kernels)
 
 
 class ToyAttention:
@@ -160,7 +208,7 @@ def oracle():
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_tree_decode_step_equals_oracle_greedy(oracle, kernels):
     (model, truth), B, new, prompts = oracle, len(PROMPTS), NEW, PROMPTS
-    layers = [ToyGDN(model, B, kernels), ToyAttention(model, B, kernels)]
+    layers = [ToyGDN(model, B, kernels), ToyMamba1(model, B, kernels), ToyAttention(model, B, kernels)]
     drafter = ChainDrafter(truth, 1)
     history = [list(p[:1]) for p in prompts]  # processed tokens + the root, which is not processed yet
     fed = [1] * B  # prompt tokens handed over so far

@@ -1,4 +1,4 @@
-"""The recurrent tree kernels at the boundaries of the advertised envelope (issue 14).
+"""The recurrent tree kernels (GDN, Mamba2/SSD, Mamba1) at the boundaries of the advertised envelope (issue 14).
 
 ``TreeBatch`` accepts 1..256 nodes per request and depth 1..64; the kernels switch from one
 on-chip block to a blocked forward substitution past 64 nodes (32 at K = 256 or d_state = 256),
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from vllm_bole import gdn
-from vllm_bole.mamba import ssd_tree
+from vllm_bole.mamba import mamba1_tree, ssd_tree
 from vllm_bole.spec_decode.tree import TreeBatch
-from vllm_bole.testing.oracles import deepest_accepted_paths, gdn_tree_reference, random_tree, ssd_tree_reference
+from vllm_bole.testing.oracles import (deepest_accepted_paths, gdn_tree_reference, mamba1_tree_reference, random_tree,
+                                      ssd_tree_reference)
 from vllm_bole.testing.stats import rel_err
 
 KERNELS = ["torch", "triton"]
@@ -185,3 +186,85 @@ def test_ssd_refuses_unsupported_dims():
                                    torch.zeros(T, G, N), tree, torch.zeros(1, H, P, N), torch.zeros(1, dtype=torch.int32),
                                    kernels="torch")
         assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------- Mamba1
+def _mamba1_case(tree, kernels, Dn=24, N=16, dtype=torch.float32, state_dtype=torch.float32, gate=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T, B = tree.num_nodes, tree.num_requests
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x, dt = r(T, Dn).to(dtype), r(T, Dn).to(dtype)
+    Bm, Cm = (r(T, N) * 0.3).to(dtype), (r(T, N) * 0.3).to(dtype)
+    A = -(torch.rand(Dn, N, generator=gen) * 2 + 0.05)
+    kw = dict(D=r(Dn), dt_bias=r(Dn) * 0.3, z=r(T, Dn).to(dtype) if gate else None)
+    state, slots, unused = _slot_cache(B, (Dn, N), state_dtype, gen)
+    ref = mamba1_tree_reference(tree, x, dt, A, Bm, Cm, state[slots.long()], **kw)
+    pending = mamba1_tree.PendingPath.empty(B + 1, tree.max_depth + 1, Dn, N, dtype=dtype)
+
+    def commit(acc):
+        mamba1_tree.stash_accepted_path(pending, slots, tree, acc, x, dt, Bm, kernels=kernels)
+        mamba1_tree.mamba1_commit_pending(state, slots, pending, A, dt_bias=kw["dt_bias"], kernels=kernels)
+
+    return _verify_and_commit(
+        tree, torch.full((T, Dn), float("nan"), dtype=dtype),
+        lambda out: mamba1_tree.mamba1_tree_step(x, dt, A, Bm, Cm, tree, state, slots, out=out, kernels=kernels, **kw),
+        commit, ref, state, slots, unused)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("name", ["N65", "N256", "chain64", "ragged"])
+def test_mamba1_boundary_trees(kernels, name):
+    """The Mamba1 kernel has no block-count switch (row blocks of 16 nodes, a walk along each node's
+    path): the largest tree, the deepest chain, a ragged batch with root-only requests."""
+    e_out, e_state = _mamba1_case(_tree(name), kernels, seed=len(name))
+    assert e_out < TOL and e_state < TOL
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("Dn,N", [(8, 16), (80, 16), (48, 64), (16, 256), (5, 1)])
+def test_mamba1_dims(kernels, Dn, N):
+    """Channel counts that are not a tile multiple, the shipped d_state 16, larger states (their own
+    channel tiles), no gate; a ragged tree with a root-only request."""
+    tree = TreeBatch.from_parents([random_tree(40, max_depth=12, generator=torch.Generator().manual_seed(Dn + N)), [-1]])
+    e_out, e_state = _mamba1_case(tree, kernels, Dn=Dn, N=N, gate=N != 64, seed=Dn * N)
+    assert e_out < TOL and e_state < TOL
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_mamba1_bf16_inputs_and_state(kernels):
+    """bf16 inputs and state (computed in fp32, stored as bf16; the oracle starts from the same bf16 values)."""
+    e_out, e_state = _mamba1_case(_tree("N65"), kernels, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=9)
+    assert e_out < 1e-2 and e_state < 1e-2
+
+
+def test_mamba1_step_commits_then_verifies():
+    """One call: the slot's pending path is applied, written in place, and the new tree verified from
+    the committed state (as the next engine step runs it), both implementations."""
+    gen = torch.Generator().manual_seed(11)
+    first, second = _tree("ragged"), TreeBatch.from_parents([random_tree(9, generator=gen) for _ in range(5)])
+    Dn, N = 16, 16
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    A = -(torch.rand(Dn, N, generator=gen) + 0.1)
+    inputs = [(r(t.num_nodes, Dn), r(t.num_nodes, Dn), r(t.num_nodes, N) * 0.3, r(t.num_nodes, N) * 0.3)
+              for t in (first, second)]
+    state0, slots, _ = _slot_cache(5, (Dn, N), torch.float32, gen)
+    acc, last = deepest_accepted_paths(first)
+    _, states = mamba1_tree_reference(first, *inputs[0][:2], A, *inputs[0][2:], state0[slots.long()])
+    want, _ = mamba1_tree_reference(second, *inputs[1][:2], A, *inputs[1][2:], states[last])
+    for kernels in KERNELS:
+        state = state0.clone()
+        pending = mamba1_tree.PendingPath.empty(6, first.max_depth + 1, Dn, N, dtype=torch.float32)
+        mamba1_tree.stash_accepted_path(pending, slots, first, acc, inputs[0][0], inputs[0][1], inputs[0][2],
+                                        kernels=kernels)
+        y = mamba1_tree.mamba1_tree_step(*inputs[1][:2], A, *inputs[1][2:], second, state, slots, pending, kernels=kernels)
+        assert rel_err(y, want) < TOL and int(pending.length[slots.long()].sum()) == 0
+
+
+def test_mamba1_refuses_unsupported_dims():
+    tree = _tree("N64")
+    T = tree.num_nodes
+    with pytest.raises(ValueError, match="d_state=512") as e:
+        mamba1_tree.mamba1_tree_step(torch.zeros(T, 4), torch.zeros(T, 4), -torch.ones(4, 512), torch.zeros(T, 512),
+                                     torch.zeros(T, 512), tree, torch.zeros(1, 4, 512), torch.zeros(1, dtype=torch.int32),
+                                     kernels="torch")
+    assert "\n" not in str(e.value)

@@ -75,8 +75,9 @@ def test_greedy_equal_and_target_drafter_accepts_every_node(engines, arch):
     if checkpoint_dtype(arch) == "float32":
         assert full == n, [x for x in st["accept_log"] if x[1] != x[2]][:5]
         assert not any(br["sibling_accepted"]) and br["main_reached"][0] > 0  # greedy: the main path is the argmax
-    else:
-        assert full >= 0.8 * n
+    else:  # bf16: transformers' draft and vLLM's target part at their own near ties; per node, the main path
+        # is still mostly accepted (the whole-chain rate falls with the chain's depth, which the builder chooses)
+        assert sum(br["main_accepted"]) >= 0.85 * sum(br["main_reached"]), br
 
 
 @pytest.mark.parametrize("arch", NGRAM_ARCHS)

@@ -172,7 +172,7 @@ class TreeRunnerMixin:
                 if kind is None:  # every layer of a KV-cache group holds state a tree step must handle
                     raise NotImplementedError(
                         f"vllm-bole tree speculation: layer {name} ({type(module).__name__}) has no tree "
-                        "override; supported: full attention, Mamba2 mixers, Gated DeltaNet")
+                        "override; supported: full attention, Mamba2 and Mamba1 mixers, Gated DeltaNet")
                 layer = kind(name, module, gid, self._bole_active, self.bole_config.depth + 1)
                 self._bole_recurrent.setdefault(gid, []).append(layer)
         self._bole_attention = [AttentionGroup(gid, layers) for gid, layers in attn.items()]

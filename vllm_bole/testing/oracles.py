@@ -4,6 +4,7 @@ The float64 sequential references live beside their kernels and torch twins, one
 (re-exported here for tests and benchmarks):
   gdn_gating, gdn_tree_reference    vllm_bole/gdn/reference.py
   ssd_tree_reference                vllm_bole/mamba/ssd_tree/reference.py
+  mamba1_tree_reference             vllm_bole/mamba/mamba1_tree/reference.py
   conv_tree_reference               vllm_bole/mamba/tree_conv/reference.py
   attention_tree_reference          vllm_bole/attention/tree_attention/reference.py
 Each walks the tree with the plain per-token recurrence, depth level by depth level: every node
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from vllm_bole.attention.tree_attention.reference import attention_tree_reference
 from vllm_bole.gdn.reference import gdn_gating, gdn_tree_reference
+from vllm_bole.mamba.mamba1_tree.reference import mamba1_tree_reference
 from vllm_bole.mamba.ssd_tree.reference import ssd_tree_reference
 from vllm_bole.mamba.tree_conv.reference import conv_tree_reference
 from vllm_bole.spec_decode.tree import TreeBatch
@@ -30,6 +32,7 @@ __all__ = [
     "gdn_gating",
     "gdn_tree_reference",
     "ssd_tree_reference",
+    "mamba1_tree_reference",
     "conv_tree_reference",
     "attention_tree_reference",
     "chain_tree",
