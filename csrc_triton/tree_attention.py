@@ -204,7 +204,8 @@ def _tree_attn_fwd(
     Block_table,  # [B, max_blocks] int32
     Prefix_len,  # [B] int
     Cu_nodes,  # [B + 1] int32
-    Anc_mask,  # [T, W] int32 bit words, local node indices
+    Num_keys,  # [B] int32 tree keys per request (HAS_NUM_KEYS; else the request's query rows)
+    Anc_mask,  # [T, W] int32 bit words, local node (key) indices
     Part_acc,  # [S, T, Hq, HEAD_PAD] fp32 (SPLIT only)
     Part_ml,  # [S, T, Hq, 2] fp32 (SPLIT only): running max (log2 units) and sum
     qk_scale,  # softmax scale * log2(e)
@@ -215,7 +216,7 @@ def _tree_attn_fwd(
     stride_bt, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
     PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SWAP: tl.constexpr,
+    SWAP: tl.constexpr, HAS_NUM_KEYS: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
     qb = tl.program_id(0)
@@ -229,7 +230,10 @@ def _tree_attn_fwd(
     if qb * BLOCK_Q >= n_nodes:
         return
     P = tl.load(Prefix_len + b).to(tl.int32)
-    kv_len = P + n_nodes
+    if HAS_NUM_KEYS:
+        kv_len = P + tl.load(Num_keys + b)
+    else:
+        kv_len = P + n_nodes
     if SPLIT:
         lo = sp * split_keys
         hi = tl.minimum(lo + split_keys, kv_len)
@@ -348,6 +352,7 @@ def tree_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     swap: bool = False,
+    num_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the tree attention kernel; arguments as ``vllm_bole.attention.tree_attention``.
 
@@ -388,7 +393,8 @@ def tree_attention_triton(
     ieee = q.dtype == torch.float32
     tune_bucket = (max(B * Hq * max_nodes, 1).bit_length() // 2) * 64 + max(max_kv_len, 1).bit_length() // 2
     args = (
-        q, key_cache, value_cache, out, block_table, prefix_len, cu_nodes, anc_mask, part_acc, part_ml,
+        q, key_cache, value_cache, out, block_table, prefix_len, cu_nodes,
+        num_keys if num_keys is not None else cu_nodes, anc_mask, part_acc, part_ml,
         float(scale) * _LOG2E, Hkv, split_keys, tune_bucket,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -397,7 +403,8 @@ def tree_attention_triton(
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
     )
-    consts = dict(PAGE_SIZE=page_size, G=G, G_PAD=G_PAD, HEAD_DIM=D, HEAD_PAD=HEAD_PAD, SPLIT=split, IEEE=ieee)
+    consts = dict(PAGE_SIZE=page_size, G=G, G_PAD=G_PAD, HEAD_DIM=D, HEAD_PAD=HEAD_PAD, SPLIT=split, IEEE=ieee,
+                  HAS_NUM_KEYS=num_keys is not None)
     if fixed_tile:
         assert bm >= G_PAD and bm >= 16 and bn >= 16 and (bm & (bm - 1)) == 0 and (bn & (bn - 1)) == 0
         grid = (triton.cdiv(max_nodes, bm // G_PAD), B * Hkv, S)

@@ -285,3 +285,30 @@ def test_bad_kernels_is_rejected():
     with pytest.raises(ValueError, match="kernels: 'cuda' is not one of"):
         compact_accepted_kv(cache, cache, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                             torch.tensor([[0, 1]], dtype=torch.int32), kernels="cuda")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_queries_on_part_of_the_tree(kernels):
+    """``num_keys``: queries for only some nodes of each request's tree (a tree drafter's newest level)
+    over all of its nodes' keys, each row by its own ancestor bits: equal to those rows of the
+    whole tree's attention (the reference), whatever subset is asked (empty subsets included)."""
+    gen = torch.Generator().manual_seed(3)
+    tree = random_tree_batch([5, 40, 1, 17], kind="random", generator=gen)
+    case = make_case(tree, seed=4)
+    ref = attention_tree_reference(tree, case["q"].cpu(), case["k"][0].cpu(), case["v"][0].cpu(),
+                                   case["k_prefix"][0], case["v_prefix"][0])
+    sizes = tree.nodes_per_request.tolist()
+    pick = [sorted(torch.randperm(n, generator=gen)[: max(0, n // 2 - 1)].tolist()) for n in sizes]
+    rows = torch.tensor([int(tree.cu_nodes[b]) + j for b, js in enumerate(pick) for j in js], dtype=torch.long)
+    cu = torch.zeros(len(pick) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor([len(js) for js in pick]).cumsum(0)
+
+    class Part:  # the kernel's view: query rows, their ancestor bits over the request's whole tree
+        cu_nodes, anc_mask, max_nodes = cu.to(DEV), tree.anc_mask[rows].to(DEV), max(map(len, pick))
+
+    q = case["q"][rows.to(DEV)]
+    out = torch.full_like(q, float("nan"))
+    tree_attention(q, case["kcs"][0], case["vcs"][0], case["bt"], case["P"], Part, out=out, kernels=kernels,
+                   num_keys=tree.nodes_per_request.to(torch.int32).to(DEV))
+    got = out.cpu().double()
+    assert torch.isfinite(got).all() and torch.allclose(got, ref[rows], atol=2e-5 * max(1.0, ref.abs().max().item()))

@@ -79,6 +79,25 @@ class Slots:
         """A per-slot field of the kept nodes, flat in the tree's node order."""
         return getattr(self, name).reshape(-1)[self.valid.reshape(-1)]
 
+    def prune(self, budget) -> "Slots":
+        """Each request's ``budget`` (int or ``[B]``) best draft nodes by (``logrho`` desc, slot asc),
+        the root kept: prefix-closed (``rho`` never increases along a path and a parent precedes its
+        children), so the best-first tree of that budget over the same expansions; slots compacted
+        in their breadth-first order."""
+        B, S = self.valid.shape
+        keep = _select(self.logrho, self.valid, budgets(budget, B, self.valid.device) + 1, None)
+        newpos = keep.long().cumsum(1) - 1
+        src = torch.zeros_like(newpos)
+        kb, km = keep.nonzero(as_tuple=True)
+        src[kb, newpos[kb, km]] = km
+        nvalid = torch.arange(S, device=keep.device)[None, :] < keep.sum(1, keepdim=True)
+        par = self.parent.gather(1, src)
+        parent = torch.where(nvalid & (par >= 0), newpos.gather(1, par.clamp(min=0)), torch.full_like(par, -1))
+        fields = {f.name: getattr(self, f.name).gather(1, src) for f in dataclasses.fields(self)
+                  if f.name not in ("valid", "parent", "logrho")}
+        logrho = torch.where(nvalid, self.logrho.gather(1, src), -math.inf)
+        return Slots(valid=nvalid, parent=parent, logrho=logrho, **fields)
+
 
 # expand(request [F], slot [F], depth, slots) -> (probs [F, c], tokens [F, c], child-distribution rows [F] or None)
 Expand = Callable[[torch.Tensor, torch.Tensor, int, Slots], tuple]

@@ -183,6 +183,7 @@ class _Forward:
     mask: ChainMask
     max_kv_len: int
     kernels: str
+    num_keys: torch.Tensor | None = None  # [B] tree keys per request when queries are part of a tree
 
 
 @dataclass
@@ -204,7 +205,7 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
     kc[blk, off] = key[0].transpose(0, 1).to(kc.dtype)
     vc[blk, off] = value[0].transpose(0, 1).to(vc.dtype)
     o = tree_attention(query[0].transpose(0, 1), kc, vc, fw.block_table, fw.prefix_len, fw.mask, scale=scaling,
-                       max_nodes=fw.mask.max_nodes, max_kv_len=fw.max_kv_len, kernels=fw.kernels)
+                       max_nodes=fw.mask.max_nodes, max_kv_len=fw.max_kv_len, kernels=fw.kernels, num_keys=fw.num_keys)
     return o[None], None
 
 
@@ -274,14 +275,18 @@ class PagedDraftModel:
         return 2 * config.num_hidden_layers * kv_heads * head * torch.empty(0, dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, tokens, positions, prefix, table, mask, max_kv_len, keep=None) -> torch.Tensor:
-        """One packed forward: tokens/positions [T], each request a chain over its ``prefix`` cached
-        tokens; logits [T or len(keep), V] at ``keep`` (default: every token)."""
+    def _forward(self, tokens, positions, prefix, table, mask, max_kv_len, keep=None, kv_pos=None,
+                 num_keys=None) -> torch.Tensor:
+        """One packed forward: tokens/positions [T] (RoPE positions), each request's tokens attending
+        to its ``prefix`` cached tokens and, by ``mask``, to each other (``num_keys``: to that many
+        tree keys, tree_attention's); K/V written at ``kv_pos`` (default: the positions). Logits
+        [T or len(keep), V] at ``keep`` (default: every token)."""
         ps = self.pool.page_size
+        kv_pos = positions if kv_pos is None else kv_pos
         req = torch.repeat_interleave(torch.arange(mask.cu_nodes.numel() - 1, device=tokens.device),
                                       (mask.cu_nodes[1:] - mask.cu_nodes[:-1]).long(), output_size=tokens.numel())
-        slots = table[req, positions // ps].long() * ps + positions % ps
-        _ACTIVE.forward = _Forward(self.caches, slots, table, prefix, mask, max_kv_len, self.kernels)
+        slots = table[req, kv_pos // ps].long() * ps + kv_pos % ps
+        _ACTIVE.forward = _Forward(self.caches, slots, table, prefix, mask, max_kv_len, self.kernels, num_keys)
         try:
             out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
                              logits_to_keep=keep if keep is not None else 0)
@@ -336,22 +341,27 @@ class PagedDraftModel:
         for k in keys:
             self.pool.release(k)
 
+    def _admit(self, histories, depths, keys, extra: int):
+        """The requests that get drafts: (keys, temporary?, depth per request, live rows, their
+        histories as arrays); pages reserved for each live history plus ``extra`` tokens."""
+        B = len(histories)
+        dep = [max(min(int(d), self.depth), 0) for d in depths]
+        temp = keys is None
+        keys = [("tmp", i) for i in range(B)] if temp else list(keys)
+        cap = self.width * self.pool.page_size  # positions a page table reaches
+        live = [i for i in range(B) if dep[i] > 0 and 0 < len(histories[i]) <= cap - extra]
+        hists = {i: np.array(histories[i], dtype=np.int64) for i in live}  # a copy: the cache keeps it
+        got = self.pool.reserve([keys[i] for i in live], [len(hists[i]) + extra for i in live])
+        return keys, temp, dep, [i for i, ok in zip(live, got) if ok], hists
+
     @torch.inference_mode()
     def propose(self, histories: Sequence, depths: Sequence[int], keys: Sequence | None = None) -> Candidates:
         """Candidates ``[B, max(depths), top_k]`` (CPU): the draft's greedy chain after each history
         and its top-``k`` per depth. ``keys`` identify the requests across calls (None: nothing is
         kept after the call)."""
-        B = len(histories)
-        dep = [max(min(int(d), self.depth), 0) for d in depths]
-        D, K = max(dep, default=0), self.top_k
-        out = Candidates.empty(B, D, K)
-        temp = keys is None
-        keys = [("tmp", i) for i in range(B)] if temp else list(keys)
-        cap = self.width * self.pool.page_size  # positions a page table reaches
-        live = [i for i in range(B) if dep[i] > 0 and 0 < len(histories[i]) <= cap - D]
-        hists = {i: np.array(histories[i], dtype=np.int64) for i in live}  # a copy: the cache keeps it
-        got = self.pool.reserve([keys[i] for i in live], [len(hists[i]) + D for i in live])
-        live = [i for i, ok in zip(live, got) if ok]
+        D = max((max(min(int(d), self.depth), 0) for d in depths), default=0)
+        out = Candidates.empty(len(histories), D, self.top_k)
+        keys, temp, dep, live, hists = self._admit(histories, depths, keys, D)
         if live:
             toks, probs = self._propose_live(live, hists, [keys[i] for i in live], D)
             cut = torch.arange(D)[None, :] >= torch.tensor([dep[i] for i in live])[:, None]
@@ -362,16 +372,17 @@ class PagedDraftModel:
             self.release(keys)
         return out
 
-    def _propose_live(self, live, hists, keys, D) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, D, K] tokens and probabilities (CPU) of the live rows."""
-        dev, n, ps = self.device, len(live), self.pool.page_size
+    def _catch_up(self, live, hists, keys):
+        """Every live request's tokens after its cached prefix through the draft (chunks of CHUNK
+        per request and forward); returns (history lengths [n] np, page table [n, W] and the
+        depth-1 top-k tokens / probabilities [n, K] on the device)."""
+        dev, n = self.device, len(live)
         L = np.array([len(hists[i]) for i in live], dtype=np.int64)
         start = np.array([min(self.pool.cached(k, hists[i]), len(hists[i]) - 1) for k, i in zip(keys, live)])
-        table_np = self.pool.table(keys, self.width)
-        table = torch.from_numpy(table_np).to(dev)
+        table = torch.from_numpy(self.pool.table(keys, self.width)).to(dev)
         first_t = torch.zeros(n, self.top_k, dtype=torch.long, device=dev)
         first_p = torch.zeros(n, self.top_k, dtype=torch.float32, device=dev)
-        while True:  # catch-up, CHUNK tokens per request and forward
+        while True:
             rows = np.flatnonzero(start < L)
             if rows.size == 0:
                 break
@@ -390,6 +401,12 @@ class PagedDraftModel:
             start[rows] += size
         for k, i in zip(keys, live):
             self.pool.set_tokens(k, hists[i])
+        return L, table, first_t, first_p
+
+    def _propose_live(self, live, hists, keys, D) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, D, K] tokens and probabilities (CPU) of the live rows."""
+        dev, n = self.device, len(live)
+        L, table, first_t, first_p = self._catch_up(live, hists, keys)
         toks = torch.empty(n, D, self.top_k, dtype=torch.long, device=dev)
         probs = torch.empty(n, D, self.top_k, dtype=torch.float32, device=dev)
         toks[:, 0], probs[:, 0] = first_t, first_p

@@ -130,6 +130,7 @@ def tree_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     swap: bool = False,
+    num_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every tree node over its request's prefix and its ancestors-or-self.
 
@@ -146,6 +147,11 @@ def tree_attention(
     upper bounds are fine); ``num_splits`` forces split-K over the keys (default: heuristic that
     fills the GPU); ``block_m``/``block_n`` (``num_warps``/``num_stages``/``swap``) force a tile
     instead of autotuning (``swap``: the kernel form with swapped dot operands).
+
+    ``num_keys`` [B] int32 (optional): the queries are only some nodes of a larger tree whose
+    ``num_keys[b]`` nodes sit at ``prefix_len .. prefix_len + num_keys`` (a tree drafter's newest
+    level over the nodes drafted before it); ``anc_mask`` bits then index those keys, and a query
+    sees the prefix and the keys its bits allow. Default: one key per query node (the tree itself).
     """
     T, Hq, D = q.shape
     if scale is None:
@@ -153,7 +159,8 @@ def tree_attention(
     if D > 256:
         raise ValueError(f"tree attention head_size={D} is not supported: head_size must be at most 256")
     if not use_triton(kernels, q):
-        return tree_attention_torch(q, key_cache, value_cache, block_table, prefix_len, tree, scale=scale, out=out)
+        return tree_attention_torch(q, key_cache, value_cache, block_table, prefix_len, tree, scale=scale, out=out,
+                                    num_keys=num_keys)
     if out is None:
         out = torch.empty_like(q)
     cu = tree.cu_nodes
@@ -162,12 +169,12 @@ def tree_attention(
         if max_nodes is None:
             max_nodes = int((cu[1:] - cu[:-1]).max())
     if max_kv_len is None:  # a device sync unless prefix_len lives on the host
-        max_kv_len = int(prefix_len.max()) + int(max_nodes)
+        max_kv_len = int(prefix_len.max()) + (int(num_keys.max()) if num_keys is not None else int(max_nodes))
     return _kernel().tree_attention_triton(
         q, key_cache, value_cache, block_table, prefix_len, cu, tree.anc_mask,
         scale=scale, out=out, max_nodes=max_nodes, max_kv_len=max_kv_len,
         num_splits=num_splits, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        swap=swap,
+        swap=swap, num_keys=num_keys,
     )
 
 

@@ -17,6 +17,7 @@ def tree_attention_torch(
     *,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    num_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch twin of ``tree_attention`` (the CPU path): one dense masked attention per
     request over the keys gathered from the paged cache, computed in fp32 (fp64 for fp64)."""
@@ -31,6 +32,7 @@ def tree_attention_torch(
     dev = q.device
     cu = tree.cu_nodes.tolist()
     P = prefix_len.tolist()
+    NK = num_keys.tolist() if num_keys is not None else None
     anc = tree.anc_mask.to(dev)
     shifts = torch.arange(32, device=dev, dtype=torch.int32)
     for b in range(len(cu) - 1):
@@ -38,14 +40,15 @@ def tree_attention_torch(
         n = e - s
         if n == 0:
             continue
-        L = P[b] + n
+        nk = NK[b] if NK is not None else n
+        L = P[b] + nk
         pos = torch.arange(L, device=dev)
         blk = block_table[b].to(dev).long()[pos // bs]
         off = pos % bs
         k = key_cache[blk, off].to(cdt)  # [L, Hkv, D]
         v = value_cache[blk, off].to(cdt)
-        words = anc[s:e, : (n + 31) // 32]
-        bits = ((words[:, :, None] >> shifts) & 1).reshape(n, -1)[:, :n].bool()
+        words = anc[s:e, : (nk + 31) // 32]
+        bits = ((words[:, :, None] >> shifts) & 1).reshape(n, -1)[:, :nk].bool()
         mask = torch.cat([torch.ones(n, P[b], dtype=torch.bool, device=dev), bits], dim=1)  # [n, L]
         qq = q[s:e].to(cdt).view(n, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, n * G, D)
         scores = torch.bmm(qq, k.permute(1, 2, 0)).view(Hkv, n, G, L) * scale
