@@ -123,3 +123,59 @@ def test_page_pool():
 def test_recurrent_draft_refused(tiny):
     with pytest.raises(NotImplementedError, match="cannot run paged"):
         PagedDraftModel(str(tiny["mamba2"]), max_len=64, depth=2)
+
+
+# ------------------------------------------------------------------------------ node by node
+def hf_tree_reference(hf, roots, hists, depths, budget, *, max_depth, beam, top_k, calibration=None):
+    """The same search with every frontier node's children from a full transformers forward over
+    its history and path (the reference of the paged tree drafter)."""
+    from vllm_bole.spec_decode.best_first import budgets, grow
+
+    def expand(fb, fs, d, s):
+        probs, toks = torch.zeros(fb.numel(), top_k), torch.zeros(fb.numel(), top_k, dtype=torch.long)
+        for n, (b, slot) in enumerate(zip(fb.tolist(), fs.tolist())):
+            if d >= depths[b]:
+                continue
+            path, x = [], slot
+            while x > 0:
+                path.append(int(s.token[b, x]))
+                x = int(s.parent[b, x])
+            with torch.no_grad():
+                logits = hf.model(input_ids=torch.tensor([list(hists[b]) + path[::-1]])).logits[0, -1]
+            probs[n], toks[n] = logits.float().softmax(-1).topk(top_k)
+        return probs, toks, None
+
+    caps = budgets(budget, len(hists), "cpu").clone()
+    caps[[b for b, (h, d) in enumerate(zip(hists, depths)) if not h or d == 0]] = 0
+    return grow(torch.tensor(roots), expand, caps, max_depth, beam=beam, calibration=calibration)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_tree_drafting_equals_transformers(tiny, kernels):
+    """Trees drafted node by node (one forward per depth over the frontier, tree attention over the
+    request's earlier nodes) equal the same search with full transformers forwards per node, over
+    three steps of growing histories (incremental catch-up), ragged budgets and depths, a zero
+    depth, an empty history, calibration factors; the chosen budgets cut the same trees."""
+    from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
+
+    path = str(tiny["llama"])
+    ref = HFDraftModel(path, top_k=3)
+    pd = PagedTreeDraftModel(path, top_k=3, max_len=256, depth=4, beam=2, max_requests=5, kernels=kernels)
+    g = torch.Generator().manual_seed(11)
+    hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (6, 1, 20, 0, 9)]
+    depths, budget, keys = [4, 2, 3, 4, 0], torch.tensor([6, 3, 8, 5, 4]), list("abcde")
+    f = torch.rand(65, 3, generator=g) + 0.5
+    for step in range(3):
+        roots = [h[-1] if h else 0 for h in hists]
+        got = pd.grow_trees(roots, hists, depths, budget, keys=keys, max_depth=4, calibration=f if step else None)
+        want = hf_tree_reference(ref, roots, hists, depths, budget, max_depth=4, beam=2, top_k=3,
+                                 calibration=f if step else None)
+        a, b = got.tree(), want.tree()
+        assert torch.equal(a.cu_nodes, b.cu_nodes) and torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.parent, b.parent) and torch.allclose(a.draft_prob, b.draft_prob, atol=TOL)
+        cut = torch.tensor([2, 1, 3, 0, 0])
+        assert torch.equal(got.prune(cut).tree().token_ids, want.prune(cut).tree().token_ids)
+        for r, h in enumerate(hists):  # accept the first child chain's first node (when any) and a bonus
+            if h:
+                kids = [i for i, p in enumerate(a.request(r)[0]) if p == 0]
+                h += ([a.request(r)[1][kids[0]]] if kids else []) + [int(torch.randint(3, 1000, (1,), generator=g))]

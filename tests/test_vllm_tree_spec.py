@@ -12,9 +12,10 @@ tensor-parallel run.
   engine's own bf16 noise, measured in the same run (``vllm_bole.testing.lossless``); the criterion
   is shown to catch a GDN state committed from the wrong node.
 * The target as its own drafter (``drafter: draft_model`` = the same checkpoint through
-  transformers) proposes the greedy chain as each tree's first-child chain; greedy verification
-  must accept all of it at every tree step (fp32 exactly; bf16 >= 80 %, the rest near ties between
-  transformers and vLLM).
+  transformers, or paged inside the worker) proposes the greedy chain as each tree's first-child
+  chain; greedy verification must accept all of it at every tree step (fp32 exactly; bf16: >= 85 % of
+  the main path's nodes, the rest near ties between transformers and vLLM); also with the tree
+  drafted node by node (``draft_beam``).
 * Sampling is lossless through the engine: seeded-engine samples of short continuations with tree
   speculation (temperature / top-k / top-p, the target as drafter so trees are accepted often)
   against non-speculative samples, by chi-square homogeneity tests on the whole continuation and on
@@ -141,6 +142,24 @@ def test_triton_kernels_inside_vllm(engines, models, arch):
     assert st["tree_steps"] >= 2 and st["accepted"] >= n * k // 2
 
 
+def test_tree_drafting_inside_vllm(engines, models):
+    """``draft_beam: 2``: the paged draft model drafts each tree node by node inside the worker (the two
+    best frontier nodes of every request per depth through one draft forward); tiny Llama as its own
+    drafter: greedy output identical to non-speculative vLLM, every first-child chain accepted, and
+    the controller's budgets ("auto") cutting the drafted trees."""
+    base = engines.run("llama", "base")["greedy"]
+    r = engine_run.run_engine(models["llama"], [engine_run.generate_job(engines.prompts("llama"), MAX_TOKENS,
+                                                                        logprobs=logprobs_k("llama"))],
+                              spec=spec_config("draft_model", models["llama"], draft_beam=2, budget="auto"))
+    ours = r["jobs"][0]
+    _check_equal("llama", base, ours)
+    st = ours["stats"]
+    full, n = _chain_acceptance(st)
+    print(f"llama tree drafting: {st['tree_steps']} tree steps, {st['accepted']} accepted, chains {full}/{n}, "
+          f"{r['seconds']:.0f} s")
+    assert full == n and st["accepted"] >= len(PROMPTS) * MAX_TOKENS // 4
+
+
 @pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
 def test_constrained_greedy_equal(engines, arch):
     """Penalties, logit bias, bad words, allowed tokens, min_tokens (with stop tokens) and min_p, applied
@@ -257,6 +276,12 @@ def test_adapter_checks_and_config_errors(models):
         (dict(drafter="ngram", num_speculative_tokens=4, eps=-0.5), "eps: Input should be greater than or equal to 0"),
         (dict(drafter="ngram", num_speculative_tokens=4, min_budget=5), "min_budget: 5 must be <= num_speculative_tokens"),
         (dict(drafter="ngram", num_speculative_tokens=4, budget=2, eps=0.5), "eps, min_budget: only allowed with budget"),
+        (dict(drafter="ngram", num_speculative_tokens=4, draft_beam=2), "draft_beam: 2 needs drafter 'draft_model'"),
+        (dict(drafter="draft_model", model="x", num_speculative_tokens=64, max_depth=64, draft_beam=5),
+         "draft_beam: 5 x (max_depth - 1 = 63) must be at most 256"),
+        (dict(drafter="draft_model", model="x", num_speculative_tokens=4, draft_runtime="transformers", draft_beam=1),
+         "draft_beam: 1 needs drafter 'draft_model' with draft_runtime 'auto' or 'paged'"),
+        (dict(drafter="ngram", num_speculative_tokens=4, calibrate="yes"), "calibrate: Input should be a valid boolean"),
     ],
 )
 def test_config_validation(cfg, needle):

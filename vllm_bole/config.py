@@ -39,6 +39,11 @@ Fields (every other key is refused, with the list of allowed ones):
   :mod:`vllm_bole.spec_decode.paged_draft`; attention-only drafts) or ``"transformers"`` (the
   reference: every step re-reads the histories, :mod:`vllm_bole.spec_decode.draft_model`; any draft,
   hybrids included).
+* ``draft_beam``: ``0`` (default): the paged draft model drafts its greedy chain with the top-``k``
+  candidates per depth (chain steps under CUDA graphs); ``w >= 1``: it drafts the tree node by node,
+  the ``w`` best frontier nodes of every request and depth through one draft forward, every node's
+  children from its own context (:mod:`vllm_bole.spec_decode.paged_tree_draft`; eager;
+  ``w * (max_depth - 1) <= 256``). ``draft_model`` with the paged runtime only.
 * ``prompt_lookup_min`` / ``prompt_lookup_max``: suffix lengths matched (``ngram`` only; default
   1 / 4): every earlier occurrence of the context's last ``n`` tokens votes, with weight ``4 ** n``,
   for what followed it (``vllm_bole.spec_decode.ngram``).
@@ -79,6 +84,7 @@ class TreeSpecConfig(BaseModel):
     model: str | None = None
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     draft_runtime: Literal["auto", "paged", "transformers"] = "auto"
+    draft_beam: int = Field(default=0, ge=0, le=MAX_NODES)
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
     kernels: Literal["auto", "torch", "triton"] = "auto"
@@ -91,6 +97,12 @@ class TreeSpecConfig(BaseModel):
             raise ValueError("model: only allowed with drafter 'draft_model' (drafter is 'ngram')")
         if self.drafter == "ngram" and self.draft_runtime != "auto":
             raise ValueError("draft_runtime: only allowed with drafter 'draft_model' (drafter is 'ngram')")
+        if self.draft_beam and (self.drafter != "draft_model" or self.draft_runtime == "transformers"):
+            raise ValueError(f"draft_beam: {self.draft_beam} needs drafter 'draft_model' with draft_runtime 'auto' or "
+                             f"'paged'; allowed otherwise: 0")
+        if self.draft_beam * max(self.depth - 1, 1) > MAX_NODES:
+            raise ValueError(f"draft_beam: {self.draft_beam} x (max_depth - 1 = {self.depth - 1}) must be at most "
+                             f"{MAX_NODES}")
         if isinstance(self.budget, int) and self.budget > self.num_speculative_tokens:
             raise ValueError(f"budget: {self.budget} must be 'auto' or an integer <= num_speculative_tokens "
                              f"({self.num_speculative_tokens})")

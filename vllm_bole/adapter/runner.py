@@ -52,6 +52,7 @@ from vllm_bole.spec_decode.calibration import BRANCH_COLUMNS, Calibration, branc
 from vllm_bole.spec_decode.draft_model import HFDraftModel
 from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.paged_draft import PagedDraftModel
+from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
 from vllm_bole.spec_decode.step import commit, draft_trees, verify_tree
 from vllm_bole.spec_decode.tree import MAX_DEPTH
 
@@ -133,13 +134,17 @@ class TreeRunnerMixin:
             return
         top_k = min(cfg.top_k or cfg.num_speculative_tokens, MAX_TOP_K)
         if cfg.draft_runtime != "transformers":
+            cls, beam = (PagedTreeDraftModel, dict(beam=cfg.draft_beam)) if cfg.draft_beam else (PagedDraftModel, {})
             try:
-                self._bole_drafter = PagedDraftModel(
+                self._bole_drafter = cls(
                     cfg.model, cfg.draft_dtype, top_k=top_k, device=self.device, max_len=self.max_model_len,
                     depth=cfg.depth, max_requests=self.scheduler_config.max_num_seqs,
-                    kv_bytes=DRAFT_KV_BYTES[torch.device(self.device).type == "cuda"], kernels=cfg.kernels)
+                    kv_bytes=DRAFT_KV_BYTES[torch.device(self.device).type == "cuda"], kernels=cfg.kernels, **beam)
                 return
             except NotImplementedError as e:
+                if cfg.draft_beam:
+                    raise NotImplementedError(f"draft_beam: {cfg.draft_beam} needs the paged runtime, which is not "
+                                              f"possible: {e}; use draft_beam 0") from None
                 if cfg.draft_runtime == "paged":
                     raise NotImplementedError(f"draft_runtime: 'paged' is not possible: {e}; use 'auto' or "
                                               "'transformers'") from None

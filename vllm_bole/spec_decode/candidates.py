@@ -15,7 +15,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["Candidates", "Drafter"]
+__all__ = ["Candidates", "Drafter", "TreeDrafter"]
 
 
 @dataclass(frozen=True)
@@ -95,4 +95,18 @@ class Drafter(Protocol):
         drafter must not keep). ``keys`` [B] identify requests across calls: a drafter with
         per-request state (:class:`~vllm_bole.spec_decode.paged_draft.PagedDraftModel`) keeps it
         under them and frees it in ``release(keys)``; stateless drafters ignore them."""
+        ...
+
+
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """A drafter that drafts whole trees node by node
+    (:class:`~vllm_bole.spec_decode.paged_tree_draft.PagedTreeDraftModel`): every node's children from
+    its own context, in the best-first search itself."""
+
+    def grow_trees(self, roots, histories, depths, budget, *, keys=None, max_depth: int, top_k=None,
+                   calibration=None):
+        """The best-first search state (:class:`~vllm_bole.spec_decode.best_first.Slots`) of trees of
+        ``budget`` draft nodes per request after each history (arguments as ``Drafter.propose`` and
+        :func:`~vllm_bole.spec_decode.best_first.best_first_slots`)."""
         ...

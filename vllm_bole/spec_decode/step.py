@@ -22,7 +22,7 @@ from typing import Iterable, Protocol, Sequence
 import torch
 
 from vllm_bole.spec_decode.best_first import best_first_slots, best_first_tree
-from vllm_bole.spec_decode.candidates import Drafter
+from vllm_bole.spec_decode.candidates import Drafter, TreeDrafter
 from vllm_bole.spec_decode.controller import BudgetController, Choice
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.spec_decode.verification import VerificationResult, verify_deterministic, verify_greedy
@@ -35,15 +35,22 @@ def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequ
                 kv_lens: Sequence[int] | None = None, keys: Sequence | None = None,
                 calibration: torch.Tensor | None = None) -> tuple[TreeBatch, Choice | None]:
     """Best-first trees of at most ``budget`` draft nodes per request from the drafter's per-depth
-    candidates; a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the
-    last committed tokens. With a ``controller`` the trees grown at ``budget`` are cut to the
+    candidates (or drafted node by node by a :class:`~vllm_bole.spec_decode.candidates.TreeDrafter`);
+    a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the last
+    committed tokens. With a ``controller`` the trees grown at ``budget`` are cut to the
     budgets it chooses for the batch (``kv_lens`` [B]: the requests' context lengths); returns the
     trees and that choice (None without a controller). ``keys`` [B] identify the requests to a
     drafter that keeps per-request state across steps (the paged draft model). ``calibration``:
     the builder's per (depth, kind) factors (:class:`~vllm_bole.spec_decode.calibration.Calibration`).
     The trees carry the drafter's probability of every node (``draft_prob``)."""
-    cands = drafter.propose(histories, depths, keys=keys)
     opts = dict(max_depth=max_depth, top_k=top_k, calibration=calibration)
+    if isinstance(drafter, TreeDrafter):  # drafted node by node: one search, cut to the chosen budgets
+        full = drafter.grow_trees(roots, histories, depths, budget, keys=keys, **opts)
+        if controller is None:
+            return full.tree(), None
+        choice = controller.choose(full.logrho, full.valid, kv_lens)
+        return full.prune(choice.budgets).tree(), choice
+    cands = drafter.propose(histories, depths, keys=keys)
     if controller is None:
         return best_first_tree(roots, cands, budget, **opts), None
     full = best_first_slots(roots, cands, budget, **opts)
