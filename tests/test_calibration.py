@@ -107,7 +107,12 @@ def test_calibrated_best_first_is_optimal(seed, N):
     f = torch.rand(MAX_DEPTH + 1, 3, generator=g) * 2.5
     s = best_first_slots(torch.zeros(B, dtype=torch.long), Candidates(tokens, probs), N, calibration=f)
     tree = s.tree()
-    assert torch.equal(node_kinds(tree), s.flat("kind"))
+    structural = dataclasses.replace(tree, node_kind=None)
+    assert torch.equal(node_kinds(structural), s.flat("kind")) and torch.equal(tree.node_kind, s.flat("kind"))
+    # kinds carried through the scheduler's selection (reordered, truncated, a placeholder row) stay structural
+    sel = tree.select([2, -1, 0], [3, 4, 1])
+    assert torch.equal(node_kinds(sel), node_kinds(dataclasses.replace(sel, node_kind=None)))
+    assert torch.equal(sel.first_child_depth(), dataclasses.replace(sel, node_kind=None).first_child_depth())
     for b in range(B):
         got = float(s.logrho[b][s.valid[b]].exp().sum()) - 1.0  # roots excluded
         assert got == pytest.approx(brute_force(calibrated_weight(tokens[b], probs[b], f), K, D, N), rel=1e-6)

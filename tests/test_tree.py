@@ -150,6 +150,9 @@ def test_select_equals_rebuilding_the_truncated_trees(seed):
     real = [r for r in rows if r >= 0] or [0]
     _assert_same(tb.select(real), TreeBatch.from_parents([parents[r] for r in real], [tokens[r] for r in real]))
     _assert_same(tb.select(real, 1), TreeBatch.from_parents([[-1]] * len(real), [[tokens[r][0]] for r in real]))
+    every = list(range(len(sizes)))  # the whole batch as drafted, new roots (the runner's usual step)
+    _assert_same(tb.select(every, sizes, root_tokens=roots[:1] * len(sizes)),
+                 TreeBatch.from_parents(parents, [[roots[0]] + t[1:] for t in tokens]))
 
 
 def test_select_errors():

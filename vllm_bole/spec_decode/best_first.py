@@ -73,7 +73,8 @@ class Slots:
         cu[1:] = counts.cumsum(0)
         flat = self.valid.reshape(-1)
         tree = TreeBatch.from_flat(self.parent.reshape(-1)[flat], self.token.reshape(-1)[flat], cu)
-        return dataclasses.replace(tree, draft_prob=self.qprob.reshape(-1)[flat].cpu()).to(counts.device)
+        return dataclasses.replace(tree, draft_prob=self.qprob.reshape(-1)[flat].cpu(),
+                                   node_kind=self.kind.reshape(-1)[flat].cpu()).to(counts.device)
 
     def flat(self, name: str) -> torch.Tensor:
         """A per-slot field of the kept nodes, flat in the tree's node order."""

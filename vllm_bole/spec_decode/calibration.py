@@ -38,7 +38,10 @@ MEMORY = 4096.0  # a bucket's counts halve when its expected acceptances pass th
 
 
 def node_kinds(tree: TreeBatch) -> torch.Tensor:
-    """``[T]`` int64 kind of every node (:data:`KINDS` index; roots ``MAIN``)."""
+    """``[T]`` int64 kind of every node (:data:`KINDS` index; roots ``MAIN``): the builder's
+    (``tree.node_kind``), else from the tree's structure."""
+    if tree.node_kind is not None:
+        return tree.node_kind.long()
     T, dev = tree.num_nodes, tree.token_ids.device
     parent = tree.parent_flat
     idx = torch.arange(T, device=dev)

@@ -26,6 +26,7 @@ keeps the requests the scheduler sends back, truncated to the drafts it kept, wi
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -49,6 +50,7 @@ class TreeBatch:
     anc_mask: torch.Tensor  # [T, ceil(MAX_NODES / 32)] int32
     max_nodes: int  # largest tree of the batch (host-side, so launchers never sync)
     draft_prob: torch.Tensor | None = None  # [T] float32 the drafter's probability of each node (roots 1), if known
+    node_kind: torch.Tensor | None = None  # [T] int64 ``calibration.KINDS`` index of each node, if the builder knew it
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -118,6 +120,10 @@ class TreeBatch:
         """[B] int64: length of the first-child chain from each root (the drafter's greedy chain in
         a best-first tree), skipping placeholder children (token ``-1``)."""
         T = self.num_nodes
+        if self.node_kind is not None:  # the main-path nodes are known
+            key = torch.where((self.node_kind == 0) & (self.token_ids >= 0), self.depth.long(), 0)
+            return torch.zeros(self.num_requests, dtype=torch.long, device=key.device).scatter_reduce_(
+                0, self.request_index, key, reduce="amax")
         idx = torch.arange(T, device=self.token_ids.device)
         pf = self.parent_flat
         ok = (pf >= 0) & (self.token_ids >= 0)
@@ -157,6 +163,13 @@ class TreeBatch:
             if n.shape != (Bn,) or bool(((n < 1) | (n > limit)).any()):
                 raise TreeError(f"num_nodes: need 1 <= n <= the request's nodes per row, got {n.tolist()} "
                                 f"for sizes {limit.tolist()}")
+        if Bn == self.num_requests and bool(real.all()) and torch.equal(rows, torch.arange(Bn, device=dev)) \
+                and torch.equal(n, size):  # the whole batch as drafted (the usual step): only the roots change
+            if root_tokens is None:
+                return self
+            token = self.token_ids.clone()
+            token[self.cu_nodes[:-1].long()] = torch.as_tensor(root_tokens, dtype=torch.long).flatten().to(dev)
+            return dataclasses.replace(self, token_ids=token)
         cu = torch.zeros(Bn + 1, dtype=torch.long, device=dev)
         cu[1:] = n.cumsum(0)
         T = int(cu[-1])
@@ -183,9 +196,11 @@ class TreeBatch:
         bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
         anc = torch.where(isreal[:, None], self.anc_mask[src], bits)
         q = None if self.draft_prob is None else torch.where(isreal, self.draft_prob[src], (local == 0).float())
+        # placeholders: the root and its first child on the main path, later children branches
+        kind = None if self.node_kind is None else torch.where(isreal, self.node_kind[src], (local > 1).long())
         return TreeBatch(token_ids=token, parent=parent.to(torch.int32), depth=depth.to(torch.int32),
                          cu_nodes=cu.to(torch.int32), path=path.to(torch.int32), anc_mask=anc,
-                         max_nodes=int(n.max()), draft_prob=q)
+                         max_nodes=int(n.max()), draft_prob=q, node_kind=kind)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
