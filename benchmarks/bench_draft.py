@@ -1,14 +1,16 @@
 """Drafting speed: the paged in-engine draft model (``spec_decode/paged_draft.py``; eager and with
-its chain steps under CUDA graphs) against the transformers drafter (``spec_decode/draft_model.py``,
-what the runner used before), same process, same draft, same histories.
+its chain steps under CUDA graphs; and drafting trees node by node, ``paged_tree_draft.py``, beam 2
+and 4) against the transformers drafter (``spec_decode/draft_model.py``, what the runner used
+before), same process, same draft, same histories.
 
 Draft: a Llama of the trained pair's draft shape (hidden 256, 2 layers, 4 heads, SmolLM2's 49152-token
 vocabulary, tied embeddings; random weights: speed depends on shapes only), bf16. Per batch size B:
 B histories of ``--prompt`` tokens; a steady-state step = every request accepted ``--accept`` chain
 tokens plus a bonus since the last call, then ``propose`` at depth D (``--depth``), top-k 8. Reported:
 milliseconds per step (median of ``--steps`` steps, whole ``propose`` call incl. host work and the
-copy of the candidates to the host), per drafted node (B x D), and the transformers / paged ratio
-(issue 16's target: the in-engine draft model at least 5x faster per drafted node).
+copy of the candidates to the host; for the tree drafters the whole ``grow_trees`` search of a
+16-node tree), per drafted node (B x D candidate rows; trees: B x 16 nodes), and the transformers /
+paged ratio (issue 16's target: the in-engine draft model at least 5x faster per drafted node).
 Correctness beside it: fp32 candidates of the paged model equal the transformers drafter's (ties
 aside) after a few steps, every B.
 
@@ -32,6 +34,9 @@ from harness import write_results  # noqa: E402
 
 from vllm_bole.spec_decode.draft_model import HFDraftModel  # noqa: E402
 from vllm_bole.spec_decode.paged_draft import PagedDraftModel  # noqa: E402
+from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel  # noqa: E402
+
+TREE_NODES = 16
 
 DRAFT = dict(vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=4096)
@@ -64,15 +69,22 @@ def steps(drafter, B: int, args, keys: bool, gen: torch.Generator) -> tuple[list
     hists = [torch.randint(3, DRAFT["vocab_size"], (args.prompt,), generator=gen).tolist() for _ in range(B)]
     kw = dict(keys=[f"r{i}" for i in range(B)]) if keys else {}
     times, outs = [], []
+    tree = isinstance(drafter, PagedTreeDraftModel)
     for s in range(args.steps + 1):
         if torch.device(drafter.device).type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        c = drafter.propose(hists, [args.depth] * B, **kw)
+        if tree:
+            c = drafter.grow_trees([h[-1] for h in hists], hists, [args.depth] * B, TREE_NODES, max_depth=args.depth,
+                                   **kw)
+            chain = [[t for t in c.tree().request(i)[1][1: args.accept + 1]] for i in range(B)]
+        else:
+            c = drafter.propose(hists, [args.depth] * B, **kw)
+            chain = [c.tokens[i, : args.accept, 0].tolist() for i in range(B)]
         times.append((time.perf_counter() - t0) * 1e3)
         outs.append(c)
         for i, h in enumerate(hists):
-            h += c.tokens[i, : args.accept, 0].tolist() + [int(torch.randint(3, DRAFT["vocab_size"], (1,), generator=gen))]
+            h += chain[i] + [int(torch.randint(3, DRAFT["vocab_size"], (1,), generator=gen))]
     if keys:
         drafter.release(kw["keys"])
     return times[1:], outs  # the first step is the prompt's catch-up (and the graph capture)
@@ -96,27 +108,29 @@ def main() -> None:
         path = build_draft(tmp / str(dtype).split(".")[-1], dtype)
         hf = HFDraftModel(path, top_k=8, device=dev)
         kinds = {"transformers": hf}
+        common = dict(top_k=8, device=dev, max_len=args.prompt + 64 * (args.steps + 2), depth=args.depth,
+                      max_requests=max(args.batches))
         for graphs in ((False, True) if dev == "cuda" else (False,)):
-            kinds[f"paged_{'graphs' if graphs else 'eager'}"] = PagedDraftModel(
-                path, top_k=8, device=dev, max_len=args.prompt + 64 * (args.steps + 2), depth=args.depth,
-                max_requests=max(args.batches), cuda_graphs=graphs)
+            kinds[f"paged_{'graphs' if graphs else 'eager'}"] = PagedDraftModel(path, cuda_graphs=graphs, **common)
+        for beam in (2, 4):
+            kinds[f"paged_tree_beam{beam}"] = PagedTreeDraftModel(path, beam=beam, **common)
         for B in args.batches:
             res = {k: steps(d, B, args, k != "transformers", torch.Generator().manual_seed(B)) for k, d in kinds.items()}
             if dtype == torch.float32:
                 ref = res["transformers"][1]
                 for k, (_, outs) in res.items():
-                    if k != "transformers":
+                    if k.startswith("paged_") and "tree" not in k:
                         ok = all(same_candidates(a, b, 1e-4) for a, b in zip(outs, ref))
                         checks.append(dict(batch=B, drafter=k, fp32_equal_to_transformers=ok))
                 continue
             base = statistics.median(res["transformers"][0])
             for k, (ts, _) in res.items():
                 ms = statistics.median(ts)
+                nodes = B * (TREE_NODES if "tree" in k else args.depth)
                 rows.append(dict(drafter=k, runtime=kinds[k].runtime, batch=B, depth=args.depth, prompt=args.prompt,
-                                 dtype="bfloat16", step_ms=round(ms, 3), ms_per_node=round(ms / (B * args.depth), 4),
+                                 dtype="bfloat16", step_ms=round(ms, 3), ms_per_node=round(ms / nodes, 4),
                                  speedup_vs_transformers=round(base / ms, 2)))
-                print(f"B={B:4d} {k:14s} {ms:8.3f} ms/step {ms / (B * args.depth):8.4f} ms/node "
-                      f"{base / ms:6.2f}x", flush=True)
+                print(f"B={B:4d} {k:18s} {ms:8.3f} ms/step {ms / nodes:8.4f} ms/node {base / ms:6.2f}x", flush=True)
         del kinds, hf
     print("fp32 equality:", checks)
     print(write_results("draft_speed.json", rows, dict(draft=DRAFT, checks=checks, settings=vars(args))))
