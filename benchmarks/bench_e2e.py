@@ -55,6 +55,7 @@ DATASETS = ("mt_bench", "humaneval", "sharegpt")
 TEMPERATURES = (0.0, 1.0)
 CHAIN_K = (2, 4)
 BUDGETS = (2, 4, 8, 16, 32)
+DRAFT_BEAM = 4  # bole_tree's node-by-node drafting engine
 MAX_DEPTH = 8
 SWEEP_DATASETS = ("mt_bench", "humaneval")
 CAPTURE = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
@@ -92,7 +93,7 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
-def spec_for(mode: str, drafter: str, draft: Path, k: int | None = None) -> dict | None:
+def spec_for(mode: str, drafter: str, draft: Path, k: int | None = None, beam: int = 0) -> dict | None:
     if mode == "ar":
         return None
     if mode == "vllm_chain":
@@ -103,7 +104,7 @@ def spec_for(mode: str, drafter: str, draft: Path, k: int | None = None) -> dict
     if mode == "bole_chain":
         cfg["top_k"] = 1
     if drafter == "draft_model":
-        cfg["model"] = str(draft)
+        cfg.update(model=str(draft), draft_beam=beam)
     return cfg
 
 
@@ -116,6 +117,9 @@ def engines(part: str, quick: bool) -> list[dict]:
     # per swept cell its fixed budgets and the controller side by side (a deadline leaves whole groups)
     grouped = [c + (b,) for c in sweep for b in budgets + ("auto",)] + [c + ("auto",) for c in full if c not in sweep]
     trees += [dict(mode="bole_tree", drafter=d, k=None, cells=grouped) for d in ("draft_model", "ngram")]
+    # the same draft drafting its trees node by node (draft_beam): one engine, the sweep cells
+    trees.insert(2, dict(mode="bole_tree", drafter="draft_model", k=None, beam=DRAFT_BEAM,
+                         cells=[c + (b,) for c in sweep for b in budgets + ("auto",)]))
     chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
     chains.append(dict(mode="bole_chain", drafter="draft_model", k=None,
@@ -127,7 +131,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
     mode, conc = eng["mode"], cell["batch"]
     toks = sum(map(len, res["tokens"]))
     groups = -(-len(res["tokens"]) // conc)
-    row = dict(mode=mode, drafter=eng["drafter"], budget=cell["budget"] if mode.startswith("bole") else eng["k"],
+    row = dict(mode=mode, drafter=eng["drafter"], draft_beam=eng.get("beam", 0),
+               budget=cell["budget"] if mode.startswith("bole") else eng["k"],
                batch=conc, dataset=cell["dataset"], temperature=cell["temperature"],
                tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * res["generate_s"] / groups / MAX_TOKENS,
                requests=len(res["tokens"]), tokens=toks, seconds=res["generate_s"])
@@ -160,8 +165,8 @@ def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
 
 def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
     jobs = warmup_jobs(prompts, deadline) + [job(prompts, d, t, c, deadline, b) for d, t, c, b in eng["cells"]]
-    spec = spec_for(eng["mode"], eng["drafter"], args.draft, eng["k"])
-    base = dict(mode=eng["mode"], drafter=eng["drafter"], budget=eng["k"])
+    spec = spec_for(eng["mode"], eng["drafter"], args.draft, eng["k"], eng.get("beam", 0))
+    base = dict(mode=eng["mode"], drafter=eng["drafter"], draft_beam=eng.get("beam", 0), budget=eng["k"])
     try:
         out = engine_run.run_engine(args.target, jobs, spec=spec, llm_kwargs=engine_kwargs(args),
                                     timeout=min(ENGINE_TIMEOUT_S, max(deadline - time.time() + 60, 30)))
@@ -177,13 +182,18 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
     return rows
 
 
+def label(r: dict) -> str:
+    """A row's drafter, and how it drafts (node by node: its beam)."""
+    return r["drafter"] + (f"/beam{r['draft_beam']}" if r.get("draft_beam") else "")
+
+
 def controller_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """Per drafter, batch and swept dataset (greedy): the controller against the best fixed budget of
     that cell and against the single fixed budget that is best over all cells (highest mean of
     tokens/s relative to each cell's best)."""
     out, chosen = [], []
-    for drafter in sorted({r["drafter"] for r in rows if r["mode"] == "bole_tree" and "error" not in r}):
-        mine = [r for r in rows if "error" not in r and r["mode"] == "bole_tree" and r["drafter"] == drafter
+    for drafter in sorted({label(r) for r in rows if r["mode"] == "bole_tree" and "error" not in r}):
+        mine = [r for r in rows if "error" not in r and r["mode"] == "bole_tree" and label(r) == drafter
                 and r["temperature"] == 0.0]
         fixed = {(r["batch"], r["dataset"], r["budget"]): r["tokens_per_s"] for r in mine if r["budget"] != "auto"}
         auto = {(r["batch"], r["dataset"]): r for r in mine if r["budget"] == "auto"}
@@ -262,10 +272,10 @@ def plot(results: Path) -> None:
     sel = [r for r in rows if r["dataset"] == "mt_bench" and r["temperature"] == 0.0]
     ar = {r["batch"]: r["tokens_per_s"] for r in sel if r["mode"] == "ar"}
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key in sorted({(r["mode"], r["drafter"]) for r in sel if r["mode"] != "ar"}):
+    for key in sorted({(r["mode"], label(r)) for r in sel if r["mode"] != "ar"}):
         best = {}
         for r in sel:
-            if (r["mode"], r["drafter"]) == key and r["batch"] in ar:
+            if (r["mode"], label(r)) == key and r["batch"] in ar:
                 best[r["batch"]] = max(best.get(r["batch"], 0), r["tokens_per_s"] / ar[r["batch"]])
         xs = sorted(best)
         ax.plot(xs, [best[x] for x in xs], marker="o", label=f"{key[0]} ({key[1]})")

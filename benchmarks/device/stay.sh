@@ -8,9 +8,15 @@
 #   run 2  carry .vllm-gpu/p01 .pair/data/shard1.npy.xz        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
 #   run 3  carry .vllm-gpu/p02 .vllm-gpu/install.sh and .pair/data/{shard2.npy.xz, heldout.npy.xz,
 #          prompts.json, manifest.json, tokenizer}             BOLE_COMMIT=.. bash benchmarks/device/stay.sh install train
-#   run 4                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees
-#   run 5                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh chains
-#   run 6  (what is left of the 30 minutes)                    BOLE_COMMIT=.. bash benchmarks/device/stay.sh e2e
+#   run 4                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh draft profile
+#   run 5                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees
+#   run 6                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh chains
+#   run 7  (what is left of the 30 minutes)                    BOLE_COMMIT=.. bash benchmarks/device/stay.sh e2e
+#
+# Never run on a GPU yet (2026-12-02): the paged draft model's CUDA graphs and speed, tree drafting
+# (draft_beam), the calibrated builder, the worker's Prometheus series: run 4 measures the drafters
+# (draft_speed.json) and where a tree step's time goes (profile_step.json, cProfile inside vLLM)
+# before the pair's benchmarks use them.
 #
 # Lessons of the first stay (2026-12-01): the pair trains alone on the GPU (three trainings beside ten
 # engines ran out of memory); an outer timeout must exceed a benchmark's own deadline by 90 s (an
@@ -50,6 +56,20 @@ bench() {  # part, seconds
         > "$OUT/e2e_$1.log" 2>&1
     cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
     tail -30 "$OUT/e2e_$1.log" | cut -c1-200
+}
+
+stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against transformers (no vLLM needed)
+    timeout 240 python3 benchmarks/bench_draft.py > "$OUT/bench_draft.log" 2>&1
+    tail -20 "$OUT/bench_draft.log" | cut -c1-200
+}
+
+stage_profile() {  # one engine in-process, cProfile over a tree run against AR: the pair's draft on its target
+    project
+    for b in 1 32; do
+        timeout 150 python3 benchmarks/device/profile_step.py --model /tmp/pair/nemotron_h --draft /tmp/pair/draft \
+            --batch $b --out "$OUT/profile_b$b" > "$OUT/profile_b$b.log" 2>&1
+        tail -12 "$OUT/profile_b$b.log" | cut -c1-160
+    done
 }
 
 stage_trees() { bench trees 480; }
