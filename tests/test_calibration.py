@@ -3,7 +3,6 @@ against a plain Python walk of each tree (ragged random batches, chains, root-on
 calibrated best-first builder against brute force over every prefix-closed tree with the calibrated
 scores; the kinds it records against the tree's own; the decaying factors."""
 import dataclasses
-import itertools
 import math
 
 import pytest
@@ -15,6 +14,8 @@ from vllm_bole.spec_decode.calibration import (BRANCH, MAIN, MEMORY, OFF, PRIOR,
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH
 from vllm_bole.testing.oracles import random_accepted_paths, random_tree_batch
+
+from test_builders import brute_force_best
 
 
 def walk(tree, accepted, q):
@@ -75,26 +76,6 @@ def calibrated_weight(tokens, probs, f):
     return w
 
 
-def brute_force(weight, K, D, N):
-    cands = [p for d in range(1, D + 1) for p in itertools.product(range(K), repeat=d)]
-    w = {p: weight(p) for p in cands}
-    best = [0.0]
-
-    def rec(i, chosen, count, total):
-        best[0] = max(best[0], total)
-        if count == N:
-            return
-        for j in range(i, len(cands)):
-            p = cands[j]
-            if len(p) == 1 or p[:-1] in chosen:
-                chosen.add(p)
-                rec(j + 1, chosen, count + 1, total + w[p])
-                chosen.remove(p)
-
-    rec(0, set(), 0, 0.0)
-    return best[0]
-
-
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("N", [3, 6])
 def test_calibrated_best_first_is_optimal(seed, N):
@@ -115,7 +96,7 @@ def test_calibrated_best_first_is_optimal(seed, N):
     assert torch.equal(sel.first_child_depth(), dataclasses.replace(sel, node_kind=None).first_child_depth())
     for b in range(B):
         got = float(s.logrho[b][s.valid[b]].exp().sum()) - 1.0  # roots excluded
-        assert got == pytest.approx(brute_force(calibrated_weight(tokens[b], probs[b], f), K, D, N), rel=1e-6)
+        assert got == pytest.approx(brute_force_best(calibrated_weight(tokens[b], probs[b], f), K, D, N), rel=1e-6)
         par, tok = tree.request(b)
         q = tree.draft_prob[tree.cu_nodes[b]: tree.cu_nodes[b + 1]]
         dep = tree.depth[tree.cu_nodes[b]: tree.cu_nodes[b + 1]]

@@ -11,6 +11,7 @@
   torch twin, below.
 * ``live_pending`` / ``pending_rows``: the padded view of the live pending paths, for the
   layers' torch twins.
+* ``dispatch_step``: what the recurrent tree steps' APIs share around their kernel or twin.
 """
 from __future__ import annotations
 
@@ -19,7 +20,27 @@ import torch
 from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.tree import TreeBatch
 
-MAX_FIELDS = 4  # fields one stash launch copies (GDN has 4, SSD 3)
+MAX_FIELDS = 4  # fields one stash launch copies (GDN has 4, SSD and Mamba1 3)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton tree steps take
+
+
+def dispatch_step(triton: bool, launch, twin, *, tensors, out, pending, state_idx):
+    """A recurrent tree step (commit of the pending paths, then verification): ``launch()`` (Triton;
+    every tensor of ``tensors`` in :data:`KERNEL_DTYPES`, else a one-line error naming the dtype) or
+    ``twin()`` (torch; its output copied into ``out`` when given); then the pending lengths of the
+    touched slots are reset. Returns the step's output (None: commit only)."""
+    if triton:
+        for t in tensors:
+            if t is not None and t.dtype not in KERNEL_DTYPES:
+                raise ValueError(f"dtype {t.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
+        y = launch()
+    else:
+        y = twin()
+        if out is not None and y is not None:
+            y = out.copy_(y)
+    if pending is not None:
+        pending.length.index_fill_(0, state_idx.long(), 0)
+    return y
 
 
 class PendingPath:

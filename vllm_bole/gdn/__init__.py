@@ -53,7 +53,6 @@ class PendingPath(_pending.PendingPath):
 
 
 SUPPORTED_K = (16, 32, 64, 128, 256)
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_gdn_dims(Hk: int, Hv: int, K: int, V: int) -> None:
@@ -64,14 +63,6 @@ def check_gdn_dims(Hk: int, Hv: int, K: int, V: int) -> None:
         raise ValueError(f"GDN value head dim V={V} is not supported: V must be a multiple of 16 from 16 to 512")
     if Hk < 1 or Hv % Hk:
         raise ValueError(f"GDN heads: {Hv} value heads must be a multiple of the {Hk} key heads")
-
-
-def _check_triton_dtypes(state, *tensors):
-    if state.dtype not in STATE_DTYPES:
-        raise ValueError(f"state dtype {state.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
-    for t in tensors:
-        if t is not None and t.dtype not in STATE_DTYPES:
-            raise ValueError(f"input dtype {t.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
 
 
 def gdn_tree_step(
@@ -90,20 +81,18 @@ def gdn_tree_step(
         return None
     check_gdn_dims(k.shape[1] if tree is not None else pending.k.shape[2], Hv, K, V)
     scale = K**-0.5 if scale is None else scale
-    if triton:
+
+    def launch():  # imported here: Triton picks interpreter or compiled mode at the kernel module's import
         from csrc_triton.gdn_tree import gdn_commit, gdn_verify
 
-        _check_triton_dtypes(state, q, k, v)
         if pending is not None:
             gdn_commit(state, state_idx, pending, use_qk_l2norm)
-        o = None if tree is None else gdn_verify(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, out=out)
-    else:
-        o = step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm)
-        if out is not None and o is not None:
-            o = out.copy_(o)
-    if pending is not None:
-        pending.length.index_fill_(0, state_idx.long(), 0)
-    return o
+        return None if tree is None else gdn_verify(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm,
+                                                    out=out)
+
+    return _pending.dispatch_step(
+        triton, launch, lambda: step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm),
+        tensors=(state, q, k, v), out=out, pending=pending, state_idx=state_idx)
 
 
 def gdn_commit_pending(state, state_idx, pending: PendingPath, *, use_qk_l2norm=True, kernels="auto"):

@@ -56,11 +56,8 @@ class Mamba1Layer(RecurrentLayer):
         return self.module.kv_cache[1]
 
     def _new_pending(self, num_slots: int):
-        layer = self.module
-        dtype = layer.conv1d.weight.dtype if layer.conv1d.weight.dtype in (torch.float32, torch.bfloat16,
-                                                                          torch.float16) else torch.float32
-        return mamba1_tree.PendingPath.empty(num_slots, self.max_path, self.Dn, self.N, dtype=dtype,
-                                             device=layer.kv_cache[1].device)
+        return mamba1_tree.PendingPath.empty(num_slots, self.max_path, self.Dn, self.N, dtype=self.pending_dtype(),
+                                             device=self.module.kv_cache[1].device)
 
     def _stash(self, saved, tree, accepted) -> None:
         i = saved.inputs

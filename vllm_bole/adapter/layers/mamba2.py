@@ -58,11 +58,8 @@ class Mamba2Layer(RecurrentLayer):
         return self.module.kv_cache[1]
 
     def _new_pending(self, num_slots: int):
-        layer = self.module
-        dtype = layer.conv1d.weight.dtype if layer.conv1d.weight.dtype in (torch.float32, torch.bfloat16,
-                                                                          torch.float16) else torch.float32
-        return ssd_tree.PendingPath.empty(num_slots, self.max_path, self.H, self.G, self.P, self.N, dtype=dtype,
-                                          device=layer.kv_cache[1].device)
+        return ssd_tree.PendingPath.empty(num_slots, self.max_path, self.H, self.G, self.P, self.N,
+                                          dtype=self.pending_dtype(), device=self.module.kv_cache[1].device)
 
     def _stash(self, saved, tree, accepted) -> None:
         i = saved.inputs

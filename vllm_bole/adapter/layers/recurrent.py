@@ -69,6 +69,11 @@ class RecurrentLayer:
         raise NotImplementedError
 
     # --- shared
+    def pending_dtype(self) -> torch.dtype:
+        """The pending paths' dtype: the model's (its conv weights'), fp32 for other dtypes."""
+        dt = self.module.conv1d.weight.dtype
+        return dt if dt in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
     def pending_path(self):
         if self.pending is None:
             self.pending = self._new_pending(self.module.kv_cache[1].shape[0])

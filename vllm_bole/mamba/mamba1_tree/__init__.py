@@ -44,7 +44,6 @@ from vllm_bole.mamba.mamba1_tree.naive import step_torch
 from vllm_bole.spec_decode.tree import TreeBatch
 
 MAX_STATE = 256
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class PendingPath(_pending.PendingPath):
@@ -77,20 +76,16 @@ def mamba1_tree_step(x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, p
         return None
     Dn, N = state.shape[1:]
     check_mamba1_dims(Dn, N)
-    if use_triton(kernels, state):
-        from csrc_triton.mamba1_tree import mamba1_tree_step as launch
 
-        for t in (state, x):
-            if t is not None and t.dtype not in KERNEL_DTYPES:
-                raise ValueError(f"dtype {t.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
-        y = launch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out)
-    else:
-        y = step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus)
-        if out is not None and y is not None:
-            y = out.copy_(y)
-    if pending is not None:
-        pending.length.index_fill_(0, state_idx.long(), 0)
-    return y
+    def launch():  # imported here: Triton picks interpreter or compiled mode at the kernel module's import
+        from csrc_triton.mamba1_tree import mamba1_tree_step as kernel
+
+        return kernel(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out)
+
+    return _pending.dispatch_step(
+        use_triton(kernels, state), launch,
+        lambda: step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus),
+        tensors=(state, x), out=out, pending=pending, state_idx=state_idx)
 
 
 def mamba1_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, kernels="auto"):

@@ -10,18 +10,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_bole.mamba.ssd_tree.naive import dt_effective as _dt_ssd
 from vllm_bole.pending import live_pending
 from vllm_bole.tree_views import padded_tree
 
 CHUNK_ELEMENTS = 1 << 24  # largest [B, n, n, channels, N] block formed at once
+UNBOUNDED = (-float("inf"), float("inf"))
 
 
 def dt_effective(dt, dt_bias, dt_softplus, dtype):
-    """softplus(dt + dt_bias) (or dt + dt_bias) in ``dtype``."""
-    d = dt.to(dtype)
-    if dt_bias is not None:
-        d = d + dt_bias.to(dtype)
-    return F.softplus(d) if dt_softplus else d
+    """softplus(dt + dt_bias) (or dt + dt_bias) in ``dtype``: Mamba2's, without its clamp."""
+    return _dt_ssd(dt, dt_bias, dt_softplus, UNBOUNDED, dtype)
 
 
 def _chunks(total: int, per: int):

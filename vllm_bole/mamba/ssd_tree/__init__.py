@@ -61,7 +61,6 @@ class PendingPath(_pending.PendingPath):
 
 
 MAX_DIM = 256
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_ssd_dims(H: int, G: int, P: int, N: int) -> None:
@@ -88,21 +87,16 @@ def ssd_tree_step(
         return None
     H, P, N = state.shape[1:]
     check_ssd_dims(H, B.shape[1] if tree is not None else pending.B.shape[2], P, N)
-    if triton:
-        from csrc_triton.ssd_tree import ssd_tree_step as launch
 
-        for t in (state, x):
-            if t is not None and t.dtype not in KERNEL_DTYPES:
-                raise ValueError(f"dtype {t.dtype} runs on the torch kernels only: Triton takes float32, bfloat16, float16")
+    def launch():  # imported here: Triton picks interpreter or compiled mode at the kernel module's import
+        from csrc_triton.ssd_tree import ssd_tree_step as kernel
 
-        y = launch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out)
-    else:
-        y = step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit)
-        if out is not None and y is not None:
-            y = out.copy_(y)
-    if pending is not None:
-        pending.length.index_fill_(0, state_idx.long(), 0)
-    return y
+        return kernel(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out)
+
+    return _pending.dispatch_step(
+        triton, launch, lambda: step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus,
+                                           dt_limit),
+        tensors=(state, x), out=out, pending=pending, state_idx=state_idx)
 
 
 def ssd_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
