@@ -4,8 +4,8 @@ session. This process imports neither vllm nor transformers.
 
 Per architecture:
 
-* ``base``: non-speculative vLLM: the greedy streams (8 prompts x 64 tokens, top-k logprobs; bf16:
-  rescored through the prefill path, the engine's own noise), transformers' teacher-forced
+* ``base``: non-speculative vLLM: the greedy streams (8 prompts x 64 tokens, top-k logprobs, rescored
+  through the prefill path: the engine's own noise), transformers' teacher-forced
   reference on them, and the constrained and sampled jobs of the architectures that have them;
 * ``draft_model``: tree speculation with the target as its own drafter, the same jobs;
 * ``ngram``: tree speculation with the n-gram drafter, greedy only.
@@ -13,7 +13,7 @@ Per architecture:
 from __future__ import annotations
 
 from vllm_bole.testing import engine_run
-from vllm_bole.testing.tiny_models import PROMPTS, checkpoint_dtype
+from vllm_bole.testing.tiny_models import PROMPTS, VLLM_DIFFERS_FROM_HF, checkpoint_dtype
 
 MAX_TOKENS = 64
 BUDGET, DEPTH = 8, 4
@@ -83,7 +83,7 @@ class Engines:
         bf16 = checkpoint_dtype(arch) != "float32"
         prompts = self.prompts(arch)
         jobs = {"greedy": engine_run.generate_job(prompts, MAX_TOKENS, logprobs=logprobs_k(arch),
-                                                  rescore=logprobs_k(arch) if bf16 and kind == "base" else None)}
+                                                  rescore=logprobs_k(arch) if kind == "base" else None)}
         if kind == "ngram":
             return jobs
         if arch in CONSTRAINED_ARCHS:
@@ -103,6 +103,6 @@ class Engines:
             jobs = self._jobs(arch, kind)
             spec = None if kind == "base" else spec_config(kind, self.models[arch] if kind == "draft_model" else None)
             r = engine_run.run_engine(self.models[arch], list(jobs.values()), spec=spec, llm_kwargs=LLM_KWARGS,
-                                      hf_job=0 if kind == "base" else None)
+                                      hf_job=0 if kind == "base" and arch not in VLLM_DIFFERS_FROM_HF else None)
             self._runs[key] = dict(zip(jobs, r["jobs"]))
         return self._runs[key]

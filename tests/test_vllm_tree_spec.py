@@ -40,7 +40,7 @@ from engines import (BUDGET, CONSTRAINED, DEPTH, MAX_TOKENS, NGRAM_ARCHS, NUM_SA
 from vllm_bole.testing import adapter_checks, engine_run, serve_run
 from vllm_bole.testing.lossless import compare_greedy
 from vllm_bole.testing.stats import sample_homogeneity
-from vllm_bole.testing.tiny_models import ARCHS, checkpoint_dtype
+from vllm_bole.testing.tiny_models import ARCHS, VLLM_DIFFERS_FROM_HF, checkpoint_dtype
 
 
 
@@ -48,7 +48,7 @@ def _check_equal(arch, base, ours):
     """fp32: identical streams (and top-2 logprobs); bf16: identical or parting within the engine's noise."""
     assert [len(t) for t in ours["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
     verdict = compare_greedy(checkpoint_dtype(arch), base, ours)
-    assert verdict.ok, f"{arch}: {verdict.summary()}"
+    assert verdict.ok, f"{arch}: {verdict.summary()} {verdict.problems[:3]}"
     return verdict
 
 
@@ -67,12 +67,14 @@ def test_greedy_equal_and_target_drafter_accepts_every_node(engines, arch):
     print(f"{arch}: {st['tree_steps']} tree steps / {st['steps']}, {st['verified_requests']} trees, "
           f"{st['drafted_nodes']} draft nodes, {st['accepted']} accepted, whole greedy chain accepted {full}/{n}, "
           f"{verdict.summary()}, {ours['seconds']:.0f} s")
-    assert st["tree_steps"] >= MAX_TOKENS // (DEPTH + 1)  # nearly every step verifies trees
-    assert st["accepted"] >= len(PROMPTS) * MAX_TOKENS // 4  # the chain is accepted, not just the bonus
     br = st["branch_by_depth"]  # counted since the engine started; the greedy job is its first
+    assert sum(br["main_accepted"]) + sum(br["sibling_accepted"]) == st["accepted"]
+    assert st["tree_steps"] >= MAX_TOKENS // (DEPTH + 1)  # nearly every step verifies trees
+    if arch in VLLM_DIFFERS_FROM_HF:  # transformers' drafter is not vLLM's greedy chain: lossless only
+        return
+    assert st["accepted"] >= len(PROMPTS) * MAX_TOKENS // 4  # the chain is accepted, not just the bonus
     print(f"{arch}: per depth, main path accepted/reached {list(zip(br['main_accepted'], br['main_reached']))}, "
           f"siblings {list(zip(br['sibling_accepted'], br['sibling_reached']))}")
-    assert sum(br["main_accepted"]) + sum(br["sibling_accepted"]) == st["accepted"]
     if checkpoint_dtype(arch) == "float32":
         assert full == n, [x for x in st["accept_log"] if x[1] != x[2]][:5]
         assert not any(br["sibling_accepted"]) and br["main_reached"][0] > 0  # greedy: the main path is the argmax

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                     method="bole_tree", drafter=drafter, num_speculative_tokens=BUDGET, max_depth=DEPTH,
                     **(dict(model=str(draft)) if drafter == "draft_model" else {}))
                 job = engine_run.generate_job(prompts, MAX_TOKENS, logprobs=k,
-                                              rescore=k if drafter == "none" and dtype != "float32" else None)
+                                              rescore=k if drafter == "none" else None)
                 runs[drafter] = engine_run.run_engine(target, [job], spec=spec)["jobs"][0]
                 bar.update()
             for drafter in ("draft_model", "ngram"):

