@@ -22,7 +22,7 @@ from vllm_bole.spec_decode.offline import (
     expected_tokens,
     optimal_static_tree,
 )
-from vllm_bole.spec_decode.best_first import best_first_tree
+from vllm_bole.spec_decode.best_first import best_first_slots, best_first_tree
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.sampling import sample_rows_without_replacement
 from vllm_bole.spec_decode.tree import TreeBatch, TreeError
@@ -537,3 +537,21 @@ def test_runtime_best_first_optimal_ordered_and_batch_wide():
         assert t.nodes_per_request.tolist() == [1, 1] and t.token_ids.tolist() == [1, 2]
     with pytest.raises(ValueError):
         best_first_tree([1], cands, 4)  # one root for four requests
+
+
+def test_slots_tree_equals_the_validated_build():
+    """``Slots.tree()`` builds the TreeBatch directly from the search state: equal, field by field,
+    to building it from the kept parents and tokens with every check (ragged budgets, empty trees)."""
+    g = torch.Generator().manual_seed(21)
+    B, D, K = 5, 9, 4
+    probs = (torch.randn(B, D, K, generator=g) * 1.5).softmax(-1).sort(-1, descending=True).values
+    tokens = torch.stack([torch.randperm(50, generator=g)[:K] for _ in range(B * D)]).view(B, D, K)
+    s = best_first_slots(torch.arange(B), Candidates(tokens, probs), torch.tensor([0, 3, 40, 7, 12]))
+    got = s.tree()
+    counts = s.valid.sum(1)
+    cu = torch.zeros(B + 1, dtype=torch.long)
+    cu[1:] = counts.cumsum(0)
+    want = TreeBatch.from_flat(s.flat("parent"), s.flat("token"), cu)
+    for name in ("token_ids", "parent", "depth", "cu_nodes", "path", "anc_mask"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.max_nodes == want.max_nodes and torch.equal(got.draft_prob, s.flat("qprob"))

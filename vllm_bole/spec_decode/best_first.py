@@ -41,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+
+import numpy as np
 from typing import Callable, Sequence
 
 import torch
@@ -67,14 +69,35 @@ class Slots:
     kind: torch.Tensor  # [B, S] int64 calibration kind (``calibration.KINDS``: main, branch, off)
 
     def tree(self) -> TreeBatch:
-        """The kept nodes as a :class:`TreeBatch` (validated) on the slots' device."""
-        counts = self.valid.sum(1)
-        cu = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
-        cu[1:] = counts.cumsum(0)
-        flat = self.valid.reshape(-1)
-        tree = TreeBatch.from_flat(self.parent.reshape(-1)[flat], self.token.reshape(-1)[flat], cu)
-        return dataclasses.replace(tree, draft_prob=self.qprob.reshape(-1)[flat].cpu(),
-                                   node_kind=self.kind.reshape(-1)[flat].cpu()).to(counts.device)
+        """The kept nodes as a :class:`TreeBatch` on the slots' device, built directly from the
+        search state (valid slots form breadth-first prefixes; depths and parents known)."""
+        v = self.valid.cpu().numpy()
+        counts = v.sum(1)
+        cu = np.zeros(counts.size + 1, np.int64)
+        cu[1:] = np.cumsum(counts)
+        flat = v.reshape(-1)
+        field = lambda name: getattr(self, name).cpu().numpy().reshape(-1)[flat]  # noqa: E731
+        parent, depth = field("parent"), field("depth")
+        T = parent.size
+        req = np.repeat(np.arange(counts.size), counts)
+        local = np.arange(T) - cu[:-1][req]
+        width = int(depth.max()) + 1
+        path = np.full((T, width), -1, np.int64)
+        pflat = np.where(parent >= 0, parent + cu[:-1][req], 0)
+        for d in range(width):  # breadth-first: a parent's row is complete before its children's
+            at = np.nonzero(depth == d)[0]
+            path[at, :d] = path[pflat[at], :d]
+            path[at, d] = local[at]
+        words = (MAX_NODES + 31) // 32
+        packed = np.zeros((T, words), np.int64)
+        r, k = np.nonzero(path >= 0)
+        np.add.at(packed, (r, path[r, k] // 32), np.left_shift(1, path[r, k] % 32))  # distinct bits: a sum is an OR
+        anc = np.where(packed >= 2**31, packed - 2**32, packed).astype(np.int32)
+        t = torch.from_numpy
+        return TreeBatch(token_ids=t(field("token")), parent=t(parent.astype(np.int32)), depth=t(depth.astype(np.int32)),
+                         cu_nodes=t(cu.astype(np.int32)), path=t(path.astype(np.int32)), anc_mask=t(anc),
+                         max_nodes=int(counts.max()), draft_prob=t(field("qprob")),
+                         node_kind=t(field("kind"))).to(self.valid.device)
 
     def flat(self, name: str) -> torch.Tensor:
         """A per-slot field of the kept nodes, flat in the tree's node order."""
@@ -86,7 +109,8 @@ class Slots:
         children), so the best-first tree of that budget over the same expansions; slots compacted
         in their breadth-first order."""
         B, S = self.valid.shape
-        keep = _select(self.logrho, self.valid, budgets(budget, B, self.valid.device) + 1, None)
+        keep = torch.from_numpy(_select(_np(self.logrho), _np(self.valid), _np(budgets(budget, B, "cpu")) + 1,
+                                        None)).to(self.valid.device)
         newpos = keep.long().cumsum(1) - 1
         src = torch.zeros_like(newpos)
         kb, km = keep.nonzero(as_tuple=True)
@@ -116,27 +140,36 @@ def budgets(budget, B: int, device) -> torch.Tensor:
     return caps
 
 
-def _select(cand_log: torch.Tensor, cand_valid: torch.Tensor, slots: torch.Tensor, total_budget: int | None):
+def _select(cand_log: np.ndarray, cand_valid: np.ndarray, slots: np.ndarray, total_budget: int | None) -> np.ndarray:
     """Keep mask ``[B, M]``: per request the ``slots[b]`` best candidates by (logrho desc,
     position asc); with ``total_budget``, then the globally best ``total_budget`` non-root
     candidates by (logrho desc, request asc, position asc). Position 0 is the root."""
     B, M = cand_log.shape
-    key = torch.where(cand_valid, -cand_log, torch.full_like(cand_log, math.inf))
-    order = torch.sort(key, dim=1, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(M, device=key.device)[None, :].expand(B, M))
+    key = np.where(cand_valid, -cand_log, np.inf)
+    rank = np.empty((B, M), dtype=np.int64)
+    np.put_along_axis(rank, np.argsort(key, axis=1, kind="stable"), np.arange(M)[None, :].repeat(B, 0), axis=1)
     keep = cand_valid & (rank < slots[:, None])
     if total_budget is not None:
-        nonroot = keep.clone()
+        nonroot = keep.copy()
         nonroot[:, 0] = False
-        flat = torch.where(nonroot, key, torch.full_like(key, math.inf)).reshape(-1)
-        g = torch.sort(flat, stable=True).indices
-        cnt = nonroot.reshape(-1)[g].long().cumsum(0)
-        ok = torch.empty_like(nonroot.reshape(-1))
-        ok[g] = cnt <= int(total_budget)
-        keep = nonroot & ok.view(B, M)
+        g = np.argsort(np.where(nonroot, key, np.inf).reshape(-1), kind="stable")
+        ok = np.empty(B * M, dtype=bool)
+        ok[g] = np.cumsum(nonroot.reshape(-1)[g]) <= int(total_budget)
+        keep = nonroot & ok.reshape(B, M)
         keep[:, 0] = cand_valid[:, 0]
     return keep
+
+
+_FIELDS = ("valid", "token", "parent", "depth", "logrho", "qprob", "row", "nid", "kind")
+
+
+def _as_slots(a: dict, device) -> Slots:
+    """numpy search state -> :class:`Slots` (torch; zero-copy on the CPU)."""
+    return Slots(**{k: torch.from_numpy(a[k]).to(device) for k in _FIELDS})
+
+
+def _np(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int, *,
@@ -147,101 +180,96 @@ def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int,
     first. ``calibration`` ``[MAX_DEPTH + 1, 3]``: factors per (child depth, child kind)
     (:class:`~vllm_bole.spec_decode.calibration.Calibration`); a child is then scored by
     ``min(f q, 1)``, made non-increasing along its siblings (so the first child stays the most
-    probable one and kinds keep their meaning); ``qprob`` keeps the drafter's ``q``."""
+    probable one and kinds keep their meaning); ``qprob`` keeps the drafter's ``q``.
+
+    The search runs on the host in numpy (small arrays, dozens of operations per level: numpy's
+    per-operation cost is a fraction of torch's); ``expand`` sees ``(fb, fs)`` and the state as
+    torch tensors, and the result is a :class:`Slots` on ``root``'s device."""
     device = root.device
     B = root.numel()
-    S = int(caps.max()) + 1
-    s = Slots(
-        valid=torch.zeros(B, S, dtype=torch.bool, device=device),
-        token=torch.zeros(B, S, dtype=torch.long, device=device),
-        parent=torch.full((B, S), -1, dtype=torch.long, device=device),
-        depth=torch.zeros(B, S, dtype=torch.long, device=device),
-        logrho=torch.full((B, S), -math.inf, dtype=torch.float64, device=device),
-        qprob=torch.ones(B, S, dtype=torch.float32, device=device),
-        row=torch.full((B, S), -1, dtype=torch.long, device=device),
-        nid=torch.zeros(B, S, dtype=torch.long, device=device),
-        kind=torch.zeros(B, S, dtype=torch.long, device=device),
-    )
-    s.valid[:, 0] = True
-    s.token[:, 0] = root
-    s.logrho[:, 0] = 0.0
+    caps_np = _np(caps).astype(np.int64)
+    S = int(caps_np.max()) + 1
+    cal = _np(calibration).astype(np.float32) if calibration is not None else None
+    a = dict(valid=np.zeros((B, S), bool), token=np.zeros((B, S), np.int64), parent=np.full((B, S), -1, np.int64),
+             depth=np.zeros((B, S), np.int64), logrho=np.full((B, S), -np.inf), qprob=np.ones((B, S), np.float32),
+             row=np.full((B, S), -1, np.int64), nid=np.zeros((B, S), np.int64), kind=np.zeros((B, S), np.int64))
+    a["valid"][:, 0] = True
+    a["token"][:, 0] = _np(root)
+    a["logrho"][:, 0] = 0.0
     next_id = 1
-    slots = caps + 1
-    ar = torch.arange(S, device=device)[None, :]
+    slots = caps_np + 1
+    ar = np.arange(S)[None, :]
+    rows_b = np.arange(B)[:, None]
     for d in range(min(int(max_depth), MAX_DEPTH)):
         if S == 1:
             break
-        front = s.valid & (s.depth == d) & (caps > 0)[:, None]
+        front = a["valid"] & (a["depth"] == d) & (caps_np > 0)[:, None]
         if beam is not None:
-            key = torch.where(front, -s.logrho, torch.full_like(s.logrho, math.inf))
-            order = torch.sort(key, dim=1, stable=True).indices
-            rnk = torch.empty_like(order)
-            rnk.scatter_(1, order, ar.expand(B, S))
+            rnk = np.empty((B, S), dtype=np.int64)
+            order = np.argsort(np.where(front, -a["logrho"], np.inf), axis=1, kind="stable")
+            np.put_along_axis(rnk, order, ar.repeat(B, 0), axis=1)
             front = front & (rnk < int(beam))
-        fb, fs = front.nonzero(as_tuple=True)
-        if fb.numel() == 0:
+        fb, fs = np.nonzero(front)
+        if fb.size == 0:
             break
-        vals, toks, rows = expand(fb, fs, d, s)
+        vals, toks, rows = expand(torch.from_numpy(fb), torch.from_numpy(fs), d, _as_slots(a, device))
+        vals, toks = _np(vals), _np(toks).astype(np.int64)
         c = vals.shape[1]
         # kind of each child: the first child of a main node is main, its later children branch, the
         # children of branch and off nodes off
-        pk = s.kind[fb, fs][:, None]
-        col = torch.arange(c, device=device)[None, :]
-        ckind = torch.where(pk == 0, torch.where(col == 0, 0, 1), 2)
-        score = vals
-        if calibration is not None:
-            f = calibration.to(device)[d + 1][ckind]
-            score = torch.where(vals > 0, (vals.float() * f).clamp(max=1.0).cummin(1).values, vals.float())
+        pk = a["kind"][fb, fs][:, None]
+        col = np.arange(c)[None, :]
+        ckind = np.where(pk == 0, np.where(col == 0, 0, 1), 2)
+        score = vals.astype(np.float64)
+        if cal is not None:
+            scaled = np.minimum.accumulate(np.minimum(vals.astype(np.float32) * cal[d + 1][ckind], 1.0), axis=1)
+            score = np.where(vals > 0, scaled, vals.astype(np.float32)).astype(np.float64)
         if rows is not None:
-            s.row[fb, fs] = rows
+            a["row"][fb, fs] = _np(rows)
         # candidates: the kept nodes, then the children of the frontier (F_b nodes per request, in slot order)
-        fpos = front.long().cumsum(1)[fb, fs] - 1
+        fpos = np.cumsum(front, axis=1)[fb, fs] - 1
         Fm = int(fpos.max()) + 1
-        fslot = torch.zeros(B, Fm, dtype=torch.long, device=device)
+        fslot = np.zeros((B, Fm), np.int64)
         fslot[fb, fpos] = fs
-        ctok = torch.zeros(B, Fm, c, dtype=torch.long, device=device)
-        ctok[fb, fpos] = toks
-        cq = torch.zeros(B, Fm, c, dtype=torch.float32, device=device)
-        cq[fb, fpos] = vals.float()
-        cvalid = torch.zeros(B, Fm, c, dtype=torch.bool, device=device)
-        cvalid[fb, fpos] = vals > 0
-        ck = torch.zeros(B, Fm, c, dtype=torch.long, device=device)
-        ck[fb, fpos] = ckind
-        clog = torch.full((B, Fm, c), -math.inf, dtype=torch.float64, device=device)
-        clog[fb, fpos] = s.logrho[fb, fs, None] + score.double().log()
-        clog = torch.where(cvalid, clog, torch.full_like(clog, -math.inf)).reshape(B, Fm * c)
-        keep = _select(torch.cat([s.logrho, clog], 1), torch.cat([s.valid, cvalid.reshape(B, Fm * c)], 1),
+        ctok, cq = np.zeros((B, Fm, c), np.int64), np.zeros((B, Fm, c), np.float32)
+        cvalid, ck = np.zeros((B, Fm, c), bool), np.zeros((B, Fm, c), np.int64)
+        ctok[fb, fpos], cq[fb, fpos], cvalid[fb, fpos], ck[fb, fpos] = toks, vals, vals > 0, ckind
+        clog = np.full((B, Fm, c), -np.inf)
+        with np.errstate(divide="ignore"):
+            clog[fb, fpos] = a["logrho"][fb, fs][:, None] + np.log(score)
+        clog = np.where(cvalid, clog, -np.inf).reshape(B, Fm * c)
+        keep = _select(np.concatenate([a["logrho"], clog], 1), np.concatenate([a["valid"], cvalid.reshape(B, -1)], 1),
                        slots, total_budget)
         # compaction: kept candidates keep their breadth-first order (old nodes, then children by parent slot)
-        newpos = keep.long().cumsum(1) - 1
-        kb, km = keep.nonzero(as_tuple=True)
-        src = torch.zeros(B, S, dtype=torch.long, device=device)  # candidate position of each new slot
+        newpos = np.cumsum(keep, axis=1) - 1
+        kb, km = np.nonzero(keep)
+        src = np.zeros((B, S), np.int64)  # candidate position of each new slot
         src[kb, newpos[kb, km]] = km
-        nvalid = ar < keep.sum(1, keepdim=True)
+        nvalid = ar < keep.sum(1, keepdims=True)
         is_old = src < S
-        oslot = src.clamp(max=S - 1)
-        cpos = (src - S).clamp(min=0)
-        pslot = fslot.gather(1, cpos // c)  # a new node's parent slot
-        p_old = torch.where(is_old, s.parent.gather(1, oslot), pslot)
-        n_parent = torch.where(p_old >= 0, newpos.gather(1, p_old.clamp(min=0)), torch.full_like(p_old, -1))
+        oslot = np.minimum(src, S - 1)
+        cpos = np.maximum(src - S, 0)
+        take = lambda x, i: x[rows_b, i]  # noqa: E731  (np.take_along_axis, without its overhead)
+        pslot = take(fslot, cpos // c)  # a new node's parent slot
+        p_old = np.where(is_old, take(a["parent"], oslot), pslot)
+        n_parent = np.where(p_old >= 0, take(newpos, np.maximum(p_old, 0)), -1)
 
-        def pick(old: torch.Tensor, new: torch.Tensor, empty) -> torch.Tensor:
-            x = torch.where(is_old, old.gather(1, oslot), new)
-            return torch.where(nvalid, x, torch.full_like(x, empty))
+        def pick(name, new, empty):
+            return np.where(nvalid, np.where(is_old, take(a[name], oslot), new), empty)
 
-        s = Slots(
+        a = dict(
             valid=nvalid,
-            token=pick(s.token, ctok.reshape(B, -1).gather(1, cpos), 0),
-            parent=torch.where(nvalid, n_parent, torch.full_like(n_parent, -1)),
-            depth=pick(s.depth, torch.full_like(oslot, d + 1), 0),
-            logrho=pick(s.logrho, clog.gather(1, cpos), -math.inf),
-            qprob=pick(s.qprob, cq.reshape(B, -1).gather(1, cpos), 0.0),
-            row=torch.where(is_old, s.row.gather(1, oslot), torch.full_like(oslot, -1)),
-            nid=torch.where(is_old, s.nid.gather(1, oslot), next_id + pslot * c + cpos % c),
-            kind=pick(s.kind, ck.reshape(B, -1).gather(1, cpos), 0),
+            token=pick("token", take(ctok.reshape(B, -1), cpos), 0),
+            parent=np.where(nvalid, n_parent, -1),
+            depth=pick("depth", d + 1, 0),
+            logrho=pick("logrho", take(clog, cpos), -np.inf),
+            qprob=pick("qprob", take(cq.reshape(B, -1), cpos), 0.0).astype(np.float32),
+            row=np.where(is_old, take(a["row"], oslot), -1),
+            nid=np.where(is_old, take(a["nid"], oslot), next_id + pslot * c + cpos % c),
+            kind=pick("kind", take(ck.reshape(B, -1), cpos), 0),
         )
         next_id += S * c
-    return s
+    return _as_slots(a, device)
 
 
 def best_first_tree(root_tokens: Sequence[int] | torch.Tensor, candidates: Candidates, budget, **options) -> TreeBatch:
