@@ -335,7 +335,7 @@ class TreeRunnerMixin:
         grid[P:] = host.output_token_ids
         logprobs = None
         if md.max_num_logprobs is not None:
-            logprobs = emitted_logprobs(self.sampler, self._bole_logprobs_mode, logits, P, tree, res, grid,
+            logprobs = emitted_logprobs(self.sampler, self._bole_logprobs_mode, logits, P, step.host_tree, host, grid,
                                         md.max_num_logprobs)
         acc = host.num_accepted.tolist()
         st = self._bole_stats

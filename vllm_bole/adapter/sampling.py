@@ -43,15 +43,15 @@ def constrain(input_batch, step: TreeStep, logits: torch.Tensor, params: list) -
     ``params``: the tree requests' ``SamplingParams``."""
     ib = input_batch
     md = ib.sampling_metadata
-    tree = step.tree
-    req = tree.request_index.long().cpu()
+    tree = step.host_tree  # the bookkeeping on the host (no device syncs); logits stay where they are
+    req = tree.request_index.long()
     rows = torch.tensor(step.rows, dtype=torch.long)[req]  # persistent-batch row of every node
     min_tokens = any(p.min_tokens for p in params)
     ctx: list[list[int]] = []
     if md.bad_words_token_ids or not md.no_penalties or min_tokens:
         outs = [ib.token_ids_cpu[i, int(ib.num_prompt_tokens[i]) : int(ib.num_tokens_no_spec[i])].tolist()
                 for i in step.rows]
-        toks, path, depth = tree.token_ids.tolist(), tree.path.cpu(), tree.depth.tolist()
+        toks, path, depth = tree.token_ids.tolist(), tree.path, tree.depth.tolist()
         cu = tree.cu_nodes.tolist()
         for i, r in enumerate(req.tolist()):
             ctx.append(outs[r] + [toks[cu[r] + int(j)] for j in path[i, 1 : depth[i] + 1]])
