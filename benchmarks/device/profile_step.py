@@ -1,7 +1,8 @@
 """Where the time of a decode step goes: one engine in this process (engine core and worker too:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the same batch decoded without speculation and with
-``bole_tree``, cProfile over the tree run. Writes ``profile_step.json``: per mode seconds, tokens/s,
-steps; the tree run's ``bole_stats`` (drafting and verification seconds); the profile's top
+``bole_tree``, each timed alone, then once more under torch.profiler on CUDA (device busy time,
+kernel launches, top kernels) and, for the tree run, once under cProfile. Writes ``profile_step.json``:
+per mode seconds, tokens/s, steps; the tree run's ``bole_stats`` (drafting and verification seconds); the profile's top
 functions by cumulative and by own time, and every ``vllm_bole`` function.
 
     python benchmarks/device/profile_step.py --model DIR [--draft DIR] [--budget 8] [--batch 1] --out DIR
@@ -27,6 +28,26 @@ def _rows(stats: pstats.Stats, key: str, n: int, only: str | None = None) -> lis
         items.append(dict(function=f"{Path(file).name}:{line}:{fn}", file=file, calls=nc, own_s=round(tt, 4),
                           cum_s=round(ct, 4)))
     return sorted(items, key=lambda r: -r[key])[:n]
+
+
+def _device_profile(llm, prompts, sp, n: int = 25) -> dict:
+    """torch.profiler over one more generation: wall seconds, GPU kernel seconds (their sum: the
+    device's busy time), kernel launches, and the top ``n`` kernels by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in p.key_averages() if e.device_type.name == "CUDA"]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:n]
+    return dict(wall_s=round(wall, 4), kernel_s=round(busy, 4), launches=sum(e.count for e in kernels),
+                top=[dict(name=e.key[:120], calls=e.count, device_s=round(e.self_device_time_total / 1e6, 5))
+                     for e in top])
 
 
 def main() -> None:
@@ -70,19 +91,20 @@ def main() -> None:
         llm = LLM(**kw)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         stats0 = llm.collective_rpc("bole_stats")[0] if mode == "bole_tree" else None
-        prof = cProfile.Profile() if mode == "bole_tree" else None
         t0 = time.perf_counter()
-        if prof:
-            prof.enable()
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        if prof:
-            prof.disable()
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         row = dict(seconds=round(dt, 4), tokens=n, tokens_per_s=round(n / dt, 2),
                    outputs=[list(o.outputs[0].token_ids) for o in outs])
+        if gpu:
+            row["device_profile"] = _device_profile(llm, prompts, sp)
         if mode == "bole_tree":
             st = llm.collective_rpc("bole_stats")[0]
+            prof = cProfile.Profile()
+            prof.enable()
+            llm.generate(prompts, sp, use_tqdm=False)
+            prof.disable()
             row["bole_stats"] = {k: (st[k] - stats0[k]) for k in ("steps", "tree_steps", "draft_s", "verify_commit_s",
                                                                      "accepted", "verified_requests", "drafted_nodes")}
             row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["tree_steps"], 1) / args.batch, 3)
@@ -100,6 +122,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_step.json").write_text(json.dumps(result, indent=1))
+    for m, r in result["modes"].items():
+        d = r.get("device_profile")
+        if d:
+            print(f"{m}: wall {d['wall_s']} s, kernels {d['kernel_s']} s, {d['launches']} launches; top: "
+                  + "; ".join(f"{k['name'][:40]} {k['device_s']}" for k in d["top"][:6]))
     print(f"ar {a['tokens_per_s']} tok/s, bole_tree {t['tokens_per_s']} tok/s ({result['speedup']}x), identical "
           f"{result['identical']}, tokens/tree step {t['tokens_per_tree_step']}, stats {t['bole_stats']}")
     for r in t["vllm_bole"][:30]:
