@@ -83,9 +83,7 @@ def main() -> None:
                   modes={})
     for mode in ("ar", "bole_tree"):
         kw = dict(model=args.model, max_model_len=args.prompt_len + args.tokens + 64, enforce_eager=args.eager,
-                  max_num_seqs=max(args.batch, 8), seed=0, enable_prefix_caching=False)
-        if gpu:
-            kw["gpu_memory_utilization"] = 0.3
+                  max_num_seqs=max(args.batch, 8), seed=0, enable_prefix_caching=False, gpu_memory_utilization=0.3)
         if mode == "bole_tree":
             kw["speculative_config"] = spec
         llm = LLM(**kw)
