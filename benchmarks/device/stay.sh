@@ -72,14 +72,12 @@ stage_profile() {  # one engine in-process, cProfile over a tree run against AR:
     done
 }
 
-stage_probe() {  # a short stay's one run: a briefly trained pair, where a tree step's time goes, drafting speed
+stage_probe() {  # a short stay: a briefly trained pair and where a tree step's time goes (then: draft)
     project
     timeout 200 python3 benchmarks/train_pair.py --data /tmp/pd --out /tmp/pair --model nemotron_h --model draft \
         --minutes 1.2 > "$OUT/train_pair.log" 2>&1
     grep -v '^ ' "$OUT/train_pair.log" | tail -3
     stage_profile
-    timeout 170 python3 benchmarks/bench_draft.py > "$OUT/bench_draft.log" 2>&1
-    tail -20 "$OUT/bench_draft.log" | cut -c1-200
 }
 
 stage_trees() { bench trees 480; }
