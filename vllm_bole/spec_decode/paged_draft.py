@@ -307,19 +307,22 @@ class PagedDraftModel:
             tok, pos = t[:, 0], pos + 1
 
     def _chain_graph(self, B: int, steps: int):
-        """(graph, static buffers) of the chain steps for a batch bucket of ``B`` rows."""
+        """(graph, static buffers) of the chain steps for a batch bucket of ``B`` rows. The buffers
+        hold EVERY tensor the graph reads (the chain mask too): a tensor only the capture saw would
+        go back to the allocator and be overwritten while the graph still reads its address (seen on
+        the H200: the mask's ``cu_nodes`` reused, a device-side assert in ``repeat_interleave``)."""
         key = (B, steps)
         if key not in self._graphs:
             dev, K = self.device, self.top_k
             bufs = dict(tok=torch.zeros(B, dtype=torch.long, device=dev), pos=torch.zeros(B, dtype=torch.long, device=dev),
                         table=torch.zeros(B, self.width, dtype=torch.int32, device=dev),
                         out_t=torch.zeros(B, steps, K, dtype=torch.long, device=dev),
-                        out_p=torch.zeros(B, steps, K, dtype=torch.float32, device=dev))
-            mask = chain_mask([1] * B, dev)
+                        out_p=torch.zeros(B, steps, K, dtype=torch.float32, device=dev),
+                        mask=chain_mask([1] * B, dev))
 
             def run():
-                self._chain(bufs["tok"], bufs["pos"], bufs["table"], mask, steps, self.width * self.pool.page_size,
-                            bufs["out_t"], bufs["out_p"])
+                self._chain(bufs["tok"], bufs["pos"], bufs["table"], bufs["mask"], steps,
+                            self.width * self.pool.page_size, bufs["out_t"], bufs["out_p"])
 
             side = torch.cuda.Stream(dev)  # warm-up (autotuning) outside the capture, as torch recommends
             side.wait_stream(torch.cuda.current_stream(dev))
