@@ -1,40 +1,48 @@
 #!/usr/bin/env bash
 # One warm stay on the H200: every stage below is ONE device run (at most 10 minutes), and each run
 # must start within 30 s of the last (the machine keeps /tmp only while warm). On the CPU machine
-# first: `bash ../shared/tools/vllm-gpu/build.sh .vllm-gpu` (drop FlashAttention 3, see README) and
-# `python benchmarks/pair_data.py --out .pair/data`. Then, with BOLE_COMMIT=<git rev-parse HEAD>:
+# first: `bash ../shared/tools/vllm-gpu/build.sh .vllm-gpu` without FlashAttention 3 (three parts:
+# also remove vllm_flash_attn/_vllm_fa3_C*.so and `split -n 3`; see README), `python
+# benchmarks/pair_data.py --out .pair/data --shard-mb 7.5` and `python -m vllm_bole.testing.tiny_models
+# --out .pair/tiny --arch nemotron_h --arch llama`. A run carries at most 64 MiB (a part is 55 MiB).
+# Then, with BOLE_COMMIT=<git rev-parse HEAD>:
 #
 #   run 1  carry .vllm-gpu/p00 .pair/data/shard0.npy.xz        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
 #   run 2  carry .vllm-gpu/p01 .pair/data/shard1.npy.xz        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
-#   run 3  carry .vllm-gpu/p02 .vllm-gpu/install.sh and .pair/data/{shard2.npy.xz, heldout.npy.xz,
-#          prompts.json, manifest.json, tokenizer}             BOLE_COMMIT=.. bash benchmarks/device/stay.sh install train
-#   run 4                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh draft profile
-#   run 5                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees
-#   run 6                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh chains
-#   run 7  (what is left of the 30 minutes)                    BOLE_COMMIT=.. bash benchmarks/device/stay.sh e2e
+#   run 3  carry .vllm-gpu/p02 .vllm-gpu/install.sh .pair/data/shard2.npy.xz
+#                                                              BOLE_COMMIT=.. bash benchmarks/device/stay.sh install
+#   run 4  carry .pair/tiny and .pair/data/{heldout.npy.xz, prompts.json, manifest.json, tokenizer}
+#                                                              BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts smoke
+#   run 5                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh train
+#   run 6                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh profile
+#   run 7                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees
+#   run 8  (what is left of the 30 minutes)                    BOLE_COMMIT=.. bash benchmarks/device/stay.sh draft chains
 #
-# Never run on a GPU yet (2026-12-02): the paged draft model's CUDA graphs and speed, tree drafting
-# (draft_beam), the calibrated builder, the worker's Prometheus series: run 4 measures the drafters
-# (draft_speed.json) and where a tree step's time goes (profile_step.json, cProfile inside vLLM)
-# before the pair's benchmarks use them.
+# Runs 1-4 take about 2 minutes together. `smoke` (3-4 min) is the tree step on tiny fp32 checkpoints
+# with the paged draft under CUDA graphs: it must pass before minutes go into training.
 #
-# Lessons of the first stay (2026-12-01): the pair trains alone on the GPU (three trainings beside ten
+# Lessons (2026-12-01, 2026-12-02): the pair trains alone on the GPU (three trainings beside ten
 # engines ran out of memory); an outer timeout must exceed a benchmark's own deadline by 90 s (an
-# engine returns its rows when it shuts down). Every stage re-installs the project (the working tree
-# travels with each run), so a fix between runs is picked up.
+# engine returns its rows when it shuts down). On a cold Triton cache an engine's first steps compile
+# kernels for minutes (vLLM's Mamba2 warm-up 67 s, each tree kernel 1-25 s): engine timeouts of a
+# fresh machine are 300 s, not 150. Every stage re-installs the project (the working tree travels
+# with each run), so a fix between runs is picked up.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 
 project() {
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .
+    # --upgrade: without it pip keeps the copy already in /tmp/site ("Target directory ... already exists")
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | { grep -v "^WARNING: Target" || true; }
 }
 
-stage_parts() {
-    mkdir -p /tmp/ch /tmp/pd
-    cp .vllm-gpu/p0* /tmp/ch/ && cp -r .pair/data/* /tmp/pd/
-    ls /tmp/ch /tmp/pd
+stage_parts() {  # whatever this run carried: bundle parts to /tmp/ch, pair data to /tmp/pd, tiny models
+    mkdir -p /tmp/ch /tmp/pd /tmp/tiny
+    cp .vllm-gpu/p0* /tmp/ch/ 2>/dev/null
+    cp -r .pair/data/. /tmp/pd/ 2>/dev/null
+    cp -r .pair/tiny/. /tmp/tiny/ 2>/dev/null
+    ls /tmp/ch /tmp/pd /tmp/tiny
 }
 
 stage_install() {
@@ -63,21 +71,21 @@ stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against 
     tail -20 "$OUT/bench_draft.log" | cut -c1-200
 }
 
+stage_smoke() {  # the tree step and the paged draft (CUDA graphs) on tiny fp32 checkpoints: no training needed
+    project
+    timeout 300 python3 benchmarks/device/profile_step.py --model /tmp/tiny/nemotron_h --draft /tmp/tiny/llama \
+        --batch 4 --out "$OUT/smoke" > "$OUT/smoke.log" 2>&1
+    tail -12 "$OUT/smoke.log" | cut -c1-160
+    grep -q '"identical": true' "$OUT/smoke/profile_step.json"
+}
+
 stage_profile() {  # one engine in-process, cProfile over a tree run against AR: the pair's draft on its target
     project
     for b in 1 32; do
-        timeout 150 python3 benchmarks/device/profile_step.py --model /tmp/pair/nemotron_h --draft /tmp/pair/draft \
+        timeout 270 python3 benchmarks/device/profile_step.py --model /tmp/pair/nemotron_h --draft /tmp/pair/draft \
             --batch $b --out "$OUT/profile_b$b" > "$OUT/profile_b$b.log" 2>&1
         tail -12 "$OUT/profile_b$b.log" | cut -c1-160
     done
-}
-
-stage_probe() {  # a short stay: a briefly trained pair and where a tree step's time goes (then: draft)
-    project
-    timeout 200 python3 benchmarks/train_pair.py --data /tmp/pd --out /tmp/pair --model nemotron_h --model draft \
-        --minutes 1.2 > "$OUT/train_pair.log" 2>&1
-    grep -v '^ ' "$OUT/train_pair.log" | tail -3
-    stage_profile
 }
 
 stage_trees() { bench trees 480; }
