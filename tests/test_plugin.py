@@ -33,6 +33,25 @@ def test_unsupported_version_fails_clearly(version):
         check_vllm_version(version)
 
 
+def test_plugin_info_lines_reach_vllms_log():
+    # vLLM configures only its "vllm" logger, per process at engine start (after plugins may have
+    # loaded): the plugin's INFO lines ("method bole_tree active") must come out through it
+    code = (
+        "import logging\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "configure_logging(LoggingConfig())\n"
+        "logging.getLogger('vllm_bole').info('bole-info-line')\n"
+        "logging.getLogger('vllm_bole').debug('bole-debug-line')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    logs = out.stdout + out.stderr
+    assert "bole-info-line" in logs and "bole-debug-line" not in logs, logs[-2000:]
+
+
 def test_vllm_loads_plugin_once_per_process():
     code = (
         "import vllm_bole.plugin as p\n"
