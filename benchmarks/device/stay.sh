@@ -88,6 +88,14 @@ stage_profile() {  # one engine in-process, cProfile over a tree run against AR:
     done
 }
 
+stage_cost() {  # issue 15 item 3: one target step at Nemotron-H-8B shapes (dummy weights), AR and trees
+    project
+    timeout 590 python3 benchmarks/bench_cost.py --model nemotron-h-8b --mode ar --mode bole_tree \
+        --tokenizer /tmp/pd/tokenizer --seconds 480 > "$OUT/e2e_cost.log" 2>&1
+    cp "$OUT/e2e_cost.json" /tmp/e2e_cost.json 2>/dev/null  # --prior of the next cost runs
+    grep -v '^ \|^(' "$OUT/e2e_cost.log" | tail -30 | cut -c1-200
+}
+
 stage_trees() { bench trees 480; }
 stage_chains() { bench chains 480; }
 
