@@ -1,4 +1,5 @@
-"""Tree cases shared by the recurrent-layer tree benchmarks (bench_gdn_tree.py, bench_mamba2_tree.py).
+"""Tree cases shared by the recurrent-layer tree benchmarks (bench_gdn_tree.py, bench_mamba2_tree.py,
+bench_mamba1_tree.py).
 
 - ``random_trees(B, N, gen)``: B random recursive trees of N nodes (root included), depth <= 16.
 - ``seeded_trees(B, N, seed)``: a case's first draw, ``random_trees`` from a fresh seeded generator (and that generator).
