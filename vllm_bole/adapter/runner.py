@@ -9,7 +9,8 @@ One step, as vLLM drives it (``execute_model`` then ``sample_tokens``):
 2. ``_may_reorder_batch``: tree requests move to the end of the persistent batch (stable), after
    the plain ones (prefills, decodes without drafts) in vLLM's order.
 3. ``_prepare_inputs``: vLLM's input prep, then the tree requests' positions become
-   ``prefix_len + depth`` (their KV slots stay ``prefix_len + j``: ``tree_slot_mapping``), logits
+   ``prefix_len + depth`` (plus the request's delta in every M-RoPE row; their KV slots stay
+   ``prefix_len + j``: ``tree_slot_mapping``), logits
    are taken at every tree node, and a :class:`~vllm_bole.adapter.tree_step.TreeStep` describes the
    trees to the layer overrides. Pending accepted paths of requests not verified as trees this step
    are committed first, so vLLM's own kernels always read committed states.
@@ -81,8 +82,6 @@ class TreeRunnerMixin:
     def _bole_setup(self, config: TreeSpecConfig) -> None:
         if getattr(self, "use_async_scheduling", False):
             raise RuntimeError("vllm-bole tree speculation needs async scheduling off (the config hook sets it)")
-        if getattr(self, "uses_mrope", False):
-            raise NotImplementedError("vllm-bole tree speculation does not support M-RoPE models")
         logprobs_mode = getattr(self.model_config, "logprobs_mode", "raw_logprobs")
         if logprobs_mode not in ("raw_logprobs", "raw_logits"):
             raise NotImplementedError(
@@ -263,6 +262,12 @@ class TreeRunnerMixin:
         dev = self.positions.device
         pos = step.prefix_len[step.tree.request_index] + step.tree.depth.long()
         self.positions[s : s + T] = pos.to(dev, self.positions.dtype)
+        if getattr(self, "uses_mrope", False):
+            # M-RoPE (Qwen3.5, VL models): a decode token's position is the same in every row, the text
+            # position plus the request's delta (vLLM's MRotaryEmbedding.get_next_input_positions_tensor)
+            delta = torch.tensor([self.requests[rid].mrope_position_delta for rid in step.req_ids], dtype=torch.long)
+            mrope = self.mrope_positions.gpu
+            mrope[:, s : s + T] = (pos + delta.to(pos.device)[step.tree.request_index]).to(mrope.device, mrope.dtype)
         # placeholders (-1, scheduler padding) must not reach the embedding
         self.input_ids.gpu[s : s + T].clamp_(min=0)
         qsl = self.query_start_loc.cpu[: step.num_plain + 1].long()

@@ -143,14 +143,17 @@ _SPECS: dict[str, Spec] = {
              mamba_headdim=_MAMBA["head_dim"], n_mamba_heads=_MAMBA["n_heads"]),
     ),
     # --- for vLLM on a GPU only (GPU_ONLY below)
-    # Qwen3.5 text model: Gated DeltaNet + gated attention as Qwen3-Next, dense MLPs (bf16: vLLM's FLA
-    # chunked GDN prefill refuses fp32, as for Qwen3-Next)
+    # Qwen3.5 text model: Gated DeltaNet + gated attention as Qwen3-Next, dense MLPs, interleaved M-RoPE
+    # as the published checkpoints (vLLM then runs M-RoPE positions; text only, so every row equal);
+    # bf16: vLLM's FLA chunked GDN prefill refuses fp32, as for Qwen3-Next
     "qwen3_5": Spec(
         "Qwen3_5TextConfig",
         dict(_ATTENTION, num_hidden_layers=4,
              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
              head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-             linear_num_key_heads=1, linear_num_value_heads=2),
+             linear_num_key_heads=1, linear_num_value_heads=2,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                  mrope_section=[2, 1, 1], mrope_interleaved=True)),
         "bfloat16",
     ),
     # Jamba: Mamba1 mixers + attention every other layer, MoE MLPs every other layer (all 4 experts routed)
