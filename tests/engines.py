@@ -104,5 +104,5 @@ class Engines:
             spec = None if kind == "base" else spec_config(kind, self.models[arch] if kind == "draft_model" else None)
             r = engine_run.run_engine(self.models[arch], list(jobs.values()), spec=spec, llm_kwargs=LLM_KWARGS,
                                       hf_job=0 if kind == "base" and arch not in VLLM_DIFFERS_FROM_HF else None)
-            self._runs[key] = dict(zip(jobs, r["jobs"]))
+            self._runs[key] = dict(zip(jobs, r["jobs"]), plugin_lines=r["plugin_lines"])
         return self._runs[key]

@@ -93,6 +93,13 @@ def test_ngram_greedy_equal(engines, arch):
     assert st["tree_steps"] >= 10 and st["mixed_tree_steps"] >= 1
 
 
+def test_engine_log_says_tree_speculation_is_on(engines):
+    # the plugin's INFO line at engine start (vLLM's log, not a worker-only logger)
+    lines = engines.run("llama", "ngram")["plugin_lines"]
+    assert any("method bole_tree active: drafter ngram" in ln and "model runner" in ln and "CUDA graphs" in ln
+               for ln in lines), lines
+
+
 def test_bf16_criterion_catches_wrong_gdn_commit(engines, models):
     """The bf16 criterion has power: Gated DeltaNet states committed from the parent of the accepted leaf
     (``engine_run.FAULTS``), everything else right, must fail it."""

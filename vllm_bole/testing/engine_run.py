@@ -98,7 +98,8 @@ def run_engine(model_dir, jobs: list[dict], *, spec: dict | None = None, llm_kwa
                hf_job: int | None = None, probe: bool = False, fault: str | None = None,
                multiprocessing: bool = False, timeout: float = ENGINE_TIMEOUT_S, env: dict | None = None) -> dict:
     """One engine in a subprocess running ``jobs`` (module docstring). ``spec``: the user speculative
-    config (None: no speculation). Returns {jobs: [result per job], start_s, seconds, log[, workers]}."""
+    config (None: no speculation). Returns {jobs: [result per job], start_s, seconds, log (its tail),
+    plugin_lines (the log's lines from the plugin)[, workers]}."""
     model_dir = Path(model_dir)
     with tempfile.TemporaryDirectory(prefix="vllm_bole_engine") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
@@ -115,6 +116,7 @@ def run_engine(model_dir, jobs: list[dict], *, spec: dict | None = None, llm_kwa
         result = json.loads(res.read_text())
     result["seconds"] = time.monotonic() - t0
     result["log"] = tail(log, 3000)
+    result["plugin_lines"] = [ln for ln in log.splitlines() if "vllm-bole" in ln][:50]
     return result
 
 
