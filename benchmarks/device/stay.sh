@@ -18,6 +18,8 @@
 #   run 7                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees
 #   run 8  (what is left of the 30 minutes)                    BOLE_COMMIT=.. bash benchmarks/device/stay.sh draft chains
 #
+# Other stages, each one run: `kernels` (the Mamba1 tree benchmark, ~3 min), `cost` (one target step at
+# Nemotron-H-8B shapes, ~9 min), `e2e` (the vLLM matrix's open rows and the new architectures).
 # Runs 1-4 take about 2 minutes together. `smoke` (3-4 min) is the tree step on tiny fp32 checkpoints
 # with the paged draft under CUDA graphs: it must pass before minutes go into training.
 #
@@ -73,7 +75,8 @@ stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against 
 
 stage_smoke() {  # the tree step and the paged draft (CUDA graphs) on tiny fp32 checkpoints: no training needed
     project
-    timeout 300 python3 benchmarks/device/profile_step.py --model /tmp/tiny/nemotron_h --draft /tmp/tiny/llama \
+    # fp32 equality needs IEEE fp32 dots in vLLM's Triton kernels too (Triton's default is tf32)
+    TRITON_F32_DEFAULT=ieee timeout 300 python3 benchmarks/device/profile_step.py --model /tmp/tiny/nemotron_h --draft /tmp/tiny/llama \
         --batch 4 --out "$OUT/smoke" > "$OUT/smoke.log" 2>&1
     tail -12 "$OUT/smoke.log" | cut -c1-160
     grep -q '"identical": true' "$OUT/smoke/profile_step.json"
@@ -107,7 +110,7 @@ stage_chains() { bench chains 480; }
 stage_e2e() {  # the vLLM-on-H200 matrix's open items, after the pair's benchmarks
     project
     timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_next --arch granitemoehybrid \
-        --arch falcon_h1 --mixed nemotron_h --mixed llama --soak-seconds 300 \
+        --arch falcon_h1 --arch qwen3_5 --arch jamba --arch falcon_mamba --mixed nemotron_h --mixed llama --soak-seconds 300 \
         --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
     tail -20 "$OUT/vllm_gpu_e2e.log" | cut -c1-200
 }
