@@ -16,7 +16,7 @@ which skips vLLM's memory profiling, so concurrent engines cannot disturb each o
 matrix, per tiny architecture (``vllm_bole.testing.tiny_models``; 8 prompts of mixed lengths plus a
 200-token one, 128 greedy tokens each, one batch):
 
-* rows per (arch, dtype, drafter, cuda_graphs): fp32 (vLLM's CUDA kernels take fp32 for all six;
+* rows per (arch, dtype, drafter, cuda_graphs): fp32 (vLLM's CUDA kernels take fp32 for all but the GDN ones;
   FlashAttention 3 does not, so vLLM runs TRITON_ATTN there) with ``TRITON_F32_DEFAULT=ieee``, i.e.
   Triton's fp32 dots in IEEE fp32, vLLM's and ours (with Triton's tf32 default, vLLM's own
   kernels differ at the 1e-3 level); both drafters (``ngram``; ``draft_model`` = the target as its
