@@ -39,7 +39,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import bench_ms, device_ceilings, write_results  # noqa: E402
 from benchmarks.tree_cases import (  # noqa: E402
-    accepted_flat, finish_case, print_summary, root_to_leaf_paths, seeded_trees, to_device,
+    accepted_flat, baseline_errors, finish_case, print_summary, rel_err, root_to_leaf_paths, seeded_trees, to_device,
 )
 from vllm_bole.mamba.mamba1_tree import PendingPath, mamba1_tree_step, stash_accepted_path  # noqa: E402
 from vllm_bole.mamba.mamba1_tree.reference import mamba1_tree_reference  # noqa: E402
@@ -197,9 +197,6 @@ def floor_ms(B, N, m_mean, cfg, ceil):
     return bytes_ / ceil["copy_bytes_per_s"] * 1e3, bytes_
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
 
 def _oracle(c, state):
     kw = _kw(c)
@@ -223,7 +220,7 @@ def check_accuracy(cfg, dtype, dev, Ns, B=4, seed=0):
         pending = PendingPath.empty(B, c["P"], Dn, Nst, dtype=dtype, device=dev)
         stash_accepted_path(pending, slots, c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"], kernels="triton")
         mamba1_tree_step(None, None, c["A"], None, None, None, state, slots, pending, **_kw(c))
-        out[N] = (_rel(y, y_ref), _rel(state[slots.long()], want))
+        out[N] = (rel_err(y, y_ref), rel_err(state[slots.long()], want))
     return out
 
 
@@ -233,12 +230,7 @@ def check_baselines(cfg, dtype, dev, B=3, N=16, seed=5):
     c = to_device(make_case(B, N, cfg, seed, dtype, dev), dev)
     state = torch.randn(B, Dn, Nst, device=dev)
     y_ref, want = _oracle(c, state)
-    out = {}
-    for name, setup in (("serial", serial_setup), ("per_node", per_node_setup)):
-        st = state.clone()
-        y = setup(c, st, cfg)[0]()
-        out[name] = (_rel(y, y_ref), _rel(st[c["slots_dev"].long()], want))
-    return out
+    return baseline_errors(c, state, cfg, dict(serial=serial_setup, per_node=per_node_setup), y_ref, want)
 
 
 def main():

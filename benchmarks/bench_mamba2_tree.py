@@ -44,7 +44,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import bench_ms, device_ceilings, write_results  # noqa: E402
 from benchmarks.tree_cases import (  # noqa: E402
-    accepted_flat, finish_case, print_summary, root_to_leaf_paths, seeded_trees, to_device,
+    accepted_flat, baseline_errors, finish_case, print_summary, rel_err, root_to_leaf_paths, seeded_trees, to_device,
 )
 from vllm_bole.mamba.ssd_tree import PendingPath, ssd_tree_step, stash_accepted_path  # noqa: E402
 from vllm_bole.testing.oracles import ssd_tree_reference  # noqa: E402
@@ -221,9 +221,6 @@ def floor_ms(B, N, m_mean, cfg, ceil):
     return max(bytes_ / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"]) * 1e3, bytes_, flops
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
 
 def check_accuracy(cfg, dtype, dev, Ns=(8, 16, 32, 64, 128), B=4, seed=0):
     """ours vs the float64 oracle for every tree size: outputs, and the state after the stash +
@@ -241,7 +238,7 @@ def check_accuracy(cfg, dtype, dev, Ns=(8, 16, 32, 64, 128), B=4, seed=0):
         stash_accepted_path(pending, slots, c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"], kernels="triton")
         ssd_tree_step(None, None, c["A"], None, None, None, state, slots, pending, kernels="triton", **kw)
         want = st_ref[accepted_flat(c["tree"], c["acc_node"], dev)]
-        out[N] = (_rel(y, y_ref), _rel(state[slots.long()], want))
+        out[N] = (rel_err(y, y_ref), rel_err(state[slots.long()], want))
         del st_ref
     return out
 
@@ -255,12 +252,7 @@ def check_baselines(cfg, dtype, dev, B=3, N=16, seed=5):
     kw.pop("kernels")
     y_ref, st_ref = ssd_tree_reference(c["tree_dev"], c["x"], c["dt"], c["A"], c["Bm"], c["Cm"], state[c["slots_dev"].long()], **kw)
     want = st_ref[accepted_flat(c["tree"], c["acc_node"], dev)]
-    out = {}
-    for name, setup in (("serial", serial_setup), ("per_node", per_node_setup)):
-        st = state.clone()
-        y = setup(c, st, cfg)[0]()
-        out[name] = (_rel(y, y_ref), _rel(st[c["slots_dev"].long()], want))
-    return out
+    return baseline_errors(c, state, cfg, dict(serial=serial_setup, per_node=per_node_setup), y_ref, want)
 
 
 def probe_configs(cfg, B, N, dev):

@@ -11,6 +11,7 @@ bench_mamba1_tree.py).
 - ``accepted_flat(tree, acc_node)``: flat index of each request's accepted node (per-node baselines
   copy that node's state into the slot).
 - ``to_device(case, dev)``: the device copies every method reads (tree, slots, accepted).
+- ``rel_err(a, b)`` and ``baseline_errors(...)``: the accuracy checks of the recurrent benchmarks.
 - ``print_summary(rows)``: the closing table both benchmarks print.
 - ``bastion_parents(n, gen)`` / ``branches_of(parents)``: bench_tree_attention.py's best-first
   trees and their root-to-leaf paths.
@@ -99,6 +100,22 @@ def accepted_flat(tree, acc_node, dev):
 def to_device(case: dict, dev) -> dict:
     case.update(tree_dev=case["tree"].to(dev), slots_dev=case["slots"].to(dev), acc_dev=case["acc"].to(dev))
     return case
+
+
+def rel_err(a, b) -> float:
+    """Relative L2 error of ``a`` against ``b``, in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def baseline_errors(c, state, cfg, setups: dict, y_ref, want) -> dict:
+    """Per baseline (``setups``: name -> ``setup(case, state, cfg)`` returning ``(run, ...)``), the
+    errors of its outputs and of the slots' states after one run on a copy of ``state``."""
+    out = {}
+    for name, setup in setups.items():
+        st = state.clone()
+        y = setup(c, st, cfg)[0]()
+        out[name] = (rel_err(y, y_ref), rel_err(st[c["slots_dev"].long()], want))
+    return out
 
 
 def print_summary(rows):
