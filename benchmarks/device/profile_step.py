@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--dtype", help="default: the checkpoint's own dtype (vLLM's 'auto' would run fp32 ones in bf16)")
     ap.add_argument("--mode", action="append", choices=("ar", "bole_tree"), help="default: both")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -74,16 +75,18 @@ def main() -> None:
                 max_depth=args.depth)
     spec.update(dict(drafter="draft_model", model=args.draft, draft_runtime=args.draft_runtime) if args.draft
                 else dict(drafter="ngram"))
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    vocab = config["vocab_size"]
+    dtype = args.dtype or config.get("dtype") or config.get("torch_dtype") or "auto"
     g = torch.Generator().manual_seed(0)
     prompts = [dict(prompt_token_ids=torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist())
                for _ in range(args.batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     result = dict(model=args.model, draft=args.draft, budget=budget, depth=args.depth, batch=args.batch,
-                  tokens=args.tokens, eager=args.eager, device=torch.cuda.get_device_name() if gpu else "cpu",
+                  dtype=dtype, tokens=args.tokens, eager=args.eager, device=torch.cuda.get_device_name() if gpu else "cpu",
                   modes={})
     for mode in args.mode or ("ar", "bole_tree"):
-        kw = dict(model=args.model, max_model_len=args.prompt_len + args.tokens + 64, enforce_eager=args.eager,
+        kw = dict(model=args.model, dtype=dtype, max_model_len=args.prompt_len + args.tokens + 64, enforce_eager=args.eager,
                   max_num_seqs=max(args.batch, 8), seed=0, enable_prefix_caching=False, gpu_memory_utilization=0.3)
         if gpu:  # the H200 bundle has no FlashAttention 3
             kw["attention_backend"] = "TRITON_ATTN"

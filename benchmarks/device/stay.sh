@@ -82,6 +82,15 @@ stage_smoke() {  # the tree step and the paged draft (CUDA graphs) on tiny fp32 
     grep -q '"identical": true' "$OUT/smoke/profile_step.json"
 }
 
+stage_tinyprof() {  # host profile of the tree step at batch 1 and 32 (tiny bf16 NemotronH, tiny Llama paged draft)
+    project
+    for b in 1 32; do
+        timeout 200 python3 benchmarks/device/profile_step.py --model /tmp/tiny/nemotron_h --draft /tmp/tiny/llama \
+            --dtype bfloat16 --batch $b --out "$OUT/tinyprof_b$b" > "$OUT/tinyprof_b$b.log" 2>&1
+        tail -8 "$OUT/tinyprof_b$b.log" | cut -c1-160
+    done
+}
+
 stage_profile() {  # one engine in-process, cProfile over a tree run against AR: the pair's draft on its target
     project
     for b in 1 32; do
@@ -102,6 +111,13 @@ stage_cost() {  # issue 15 item 3: one target step at Nemotron-H-8B shapes (dumm
 stage_kernels() {  # the Mamba1 tree kernel (issue 19), never timed yet
     timeout 400 python3 benchmarks/bench_mamba1_tree.py > "$OUT/mamba1_tree.log" 2>&1
     tail -14 "$OUT/mamba1_tree.log" | cut -c1-200
+}
+
+stage_newarchs() {  # issue 19: the matrix rows of Qwen3.5, Jamba, Falcon-Mamba (CUDA graphs, both drafters)
+    project
+    timeout 540 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_5 --arch jamba --arch falcon_mamba \
+        --no-mixed --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
+    tail -20 "$OUT/vllm_gpu_e2e.log" | cut -c1-200
 }
 
 stage_trees() { bench trees 480; }
