@@ -1,7 +1,7 @@
 """Train the hybrid pair of the end-to-end benchmark on the H200: two hybrid targets and one draft,
-from a seed, in one run (the three train at once, one process each, on the one GPU).
+from a seed, in one run (the models named train at once, one process each, on the one GPU).
 
-    python3 benchmarks/train_pair.py --data .pair/data --out /tmp/pair --minutes 4     # on the H200
+    python3 benchmarks/train_pair.py --data .pair/data --out /tmp/pair --model nemotron_h --model draft  # H200
     python3 benchmarks/train_pair.py --data .pair/data --out /tmp/pair --steps 3 --tiny  # CPU dry run
 
 Models (HF checkpoints that vLLM loads natively; bf16 weights; SmolLM2's tokenizer):
@@ -18,11 +18,10 @@ what an instruction model is trained on anyway; the pair is for measuring specul
 comes from how well the draft predicts the target, not from how good the target is), and a held-out
 perplexity and the draft's top-1 agreement with the target say what it is.
 
-Training: AdamW (0.9, 0.95), weight decay 0.1, peak lr 2e-3 (draft 3e-3), 100 warmup steps then
-cosine to 10%, bf16 autocast, gradient clip 1, 32 sequences of 1024 tokens per step drawn at
-seeded random offsets. ``--steps N`` fixes the step count (deterministic from ``--seed``, up to GPU
-reduction order); ``--minutes M`` times the first warmup steps and fixes the count from that, and
-the count is recorded, so ``--steps`` with it reproduces the run. Writes ``$OUT/train_pair.json``:
+Training: AdamW (0.9, 0.95), weight decay 0.1, peak lr 2e-3 (draft 3e-3), warmup over the first
+100 steps (a tenth of shorter runs) then cosine to 10%, bf16 autocast, gradient clip 1, 32 sequences of 1024 tokens per step drawn at
+seeded random offsets. Fixed step counts (``STEPS``, or ``--steps N`` for all): deterministic from
+``--seed``, up to GPU reduction order. Writes ``$OUT/train_pair.json``:
 per model parameters, steps, tokens, seconds, loss curve, held-out perplexity; and the draft's top-1
 agreement with each target on held-out text.
 
@@ -30,6 +29,11 @@ Seen on the H200 (2026-12-01): transformers has no fast Mamba2 path there (no ``
 torch fallback takes 1.4 s per 32k-token step of ``nemotron_h`` (Qwen3-Next's torch GDN fallback
 0.9 s, the draft 0.07 s), so a few minutes give the targets only 100-300 steps; and the three
 together beside vLLM engines ran out of GPU memory (``nemotron_h``): train alone on the GPU.
+2026-12-02: the three at once ran out of memory again (``nemotron_h``'s torch fallback holds 68 GB,
+``qwen3_next`` asked for 6 GB more), and a step count taken from the first steps' speed (the former
+``--minutes``) overran its run: the others' start-up had made those steps look fast. Hence fixed
+counts, sized from the speeds seen with two models at once (``nemotron_h`` 1.4-3.1 s per step, the
+draft 0.06 s), about 4 minutes each, and the benchmark's stay trains ``nemotron_h`` and the draft only.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ SEQ, BATCH, WARMUP = 1024, 32, 100
 EOS, BOS = 2, 1
 MODELS = ("nemotron_h", "qwen3_next", "draft")
 LR = {"nemotron_h": 2e-3, "qwen3_next": 2e-3, "draft": 3e-3}
+STEPS = {"nemotron_h": 120, "qwen3_next": 250, "draft": 3500}
 EVAL_TOKENS = 131_072
 
 
@@ -101,9 +106,10 @@ def tokens(data: Path, device):
 
 
 def lr_at(step: int, total: int, peak: float) -> float:
-    if step < WARMUP:
-        return peak * (step + 1) / WARMUP
-    frac = (step - WARMUP) / max(total - WARMUP, 1)
+    warmup = min(WARMUP, max(total // 10, 1))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(total - warmup, 1)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
@@ -123,18 +129,10 @@ def train_one(name: str, args) -> dict:
                             lr=LR[name], betas=(0.9, 0.95), fused=dev.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     seq, batch = (64, 4) if args.tiny else (SEQ, BATCH)
-    total, losses, t0, t_probe = args.steps, [], time.monotonic(), None
-    step = 0
-    while total is None or step < total:
-        if total is None and step == 30:  # --minutes: the count from 20 timed warmup steps
-            dt = (time.monotonic() - t_probe) / 20
-            total = max(WARMUP + 1, int(args.minutes * 60 / dt))
-        if step == 10:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t_probe = time.monotonic()
+    total, losses, t0 = args.steps or STEPS[name], [], time.monotonic()
+    for step in range(total):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total or 10 ** 9, LR[name])
+            g["lr"] = lr_at(step, total, LR[name])
         starts = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
         idx = starts[:, None] + torch.arange(seq + 1)
         x = train[idx.to(dev)]
@@ -144,10 +142,9 @@ def train_one(name: str, args) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0 or step == (total or 0) - 1:
-            losses.append([step, round(float(loss), 4)])
-            print(f"{name} step {step}/{total} loss {float(loss):.3f} {time.monotonic() - t0:.0f}s", flush=True)
-        step += 1
+        if step % 50 == 0 or step == total - 1:
+            losses.append([step, round(float(loss.detach()), 4)])
+            print(f"{name} step {step}/{total} loss {float(loss.detach()):.3f} {time.monotonic() - t0:.0f}s", flush=True)
     seconds = time.monotonic() - t0
     model.eval()
     out = args.out / name
@@ -203,8 +200,7 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=Path(".pair/data"))
     ap.add_argument("--out", type=Path, default=Path("/tmp/pair"))
     ap.add_argument("--model", action="append", choices=MODELS, help="train only these (default: all three)")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--minutes", type=float, default=4.0, help="with no --steps: the step count from the speed")
+    ap.add_argument("--steps", type=int, default=None, help=f"steps of every model (default: {STEPS})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU dry run of the script)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -219,8 +215,7 @@ def main() -> int:
         return 0
     t0 = time.monotonic()
     base = [sys.executable, __file__, "--data", str(args.data), "--out", str(args.out), "--seed", str(args.seed),
-            "--child"] + (["--steps", str(args.steps)] if args.steps else ["--minutes", str(args.minutes)]) + \
-        (["--tiny"] if args.tiny else [])
+            "--child"] + (["--steps", str(args.steps)] if args.steps else []) + (["--tiny"] if args.tiny else [])
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     procs = {n: subprocess.Popen(base + ["--model", n], env=env) for n in names}
     failed = [n for n, p in procs.items() if p.wait() != 0]

@@ -48,6 +48,18 @@ def test_cost_model_learns_per_bucket():
     assert m.correction(torch.tensor([8, 10, 40, 1000])).tolist() == [3.0, 3.0, 1.0, 1.0]
 
 
+def test_cost_model_clips_outliers():
+    """A step that compiled kernels (1000x the usual time) moves a bucket by at most 4x, then decays."""
+    m = StepCostModel(roofline(), alpha=0.5)
+    m.observe(8, 1e-3, 1.0)  # first ever: clipped against the prior (ratio 1)
+    assert m.ratio[8] == 4.0
+    m.observe(16, 1e-3, 1e-3)  # a new bucket: against the nearest seen one (4 -> at least 1)
+    assert m.ratio[16] == 1.0
+    for _ in range(8):
+        m.observe(8, 1e-3, 1e-3)
+    assert m.ratio[8] == pytest.approx(1.0, rel=0.02)
+
+
 def _brute_best_sum(rho_trees, total):
     """Max sum of rho over prefix-closed node sets of ``total`` nodes (every request's tree a dict
     node -> (parent, rho))."""

@@ -55,7 +55,7 @@ stage_install() {
 }
 
 stage_train() {
-    timeout 400 python3 benchmarks/train_pair.py --data /tmp/pd --out /tmp/pair --minutes 4 > "$OUT/train_pair.log" 2>&1
+    timeout 400 python3 benchmarks/train_pair.py --data /tmp/pd --out /tmp/pair --model nemotron_h --model draft > "$OUT/train_pair.log" 2>&1
     cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
     grep -v '^ ' "$OUT/train_pair.log" | tail -5
 }

@@ -8,7 +8,8 @@ requests' context lengths and its measured step times.
   heads flops per (token, context token); time = overhead + max(bytes / bandwidth, flops / peak).
 * :class:`StepCostModel`: that prior times a correction learnt online from measured steps, an
   exponentially weighted ratio per token bucket (the padded token count, i.e. the CUDA-graph
-  size); an unseen bucket borrows the ratio of the nearest seen one.
+  size), each measurement clipped to 4x the current ratio (outliers: steps that compiled kernels);
+  an unseen bucket borrows the ratio of the nearest seen one.
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
   by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
@@ -59,6 +60,10 @@ class Roofline:
 class StepCostModel:
     prior: Roofline
     alpha: float = 0.2  # weight of a new measurement
+    # a measurement counts as at most ``clip`` times the bucket's ratio (or the nearest seen one's, or
+    # the prior's): a step that compiled Triton kernels (1-25 s on the H200, against ~10 ms) must not
+    # dominate the bucket for dozens of steps (seen: 162 ms predicted against 11 ms measured)
+    clip: float = 4.0
     ratio: dict = field(default_factory=dict)  # bucket -> measured / prior
 
     def correction(self, buckets: torch.Tensor) -> torch.Tensor:
@@ -73,8 +78,9 @@ class StepCostModel:
         """One measured forward of token bucket ``bucket`` whose prior predicted ``predicted_prior_s``."""
         if not (predicted_prior_s > 0 and math.isfinite(measured_s) and measured_s > 0):
             return
-        r = measured_s / predicted_prior_s
         old = self.ratio.get(int(bucket))
+        ref = old if old is not None else float(self.correction(torch.tensor([bucket]))[0])
+        r = min(max(measured_s / predicted_prior_s, ref / self.clip), ref * self.clip)
         self.ratio[int(bucket)] = r if old is None else (1 - self.alpha) * old + self.alpha * r
 
 
