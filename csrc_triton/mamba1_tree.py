@@ -9,7 +9,7 @@ strides, any float dtype, computed in fp32) and:
        h <- exp(dt_j A) h + dt_j x_j B_j
    and writes it back in place (one write per step);
 2. verify (``HAS_TREE``): every tree node's output from h and the node's ancestors only. Nodes go
-   in row blocks of BR; for a node i with s_i = dt summed over its root-to-i path (one walk along
+   in row blocks of BR (each block's walks as deep as its deepest node); for a node i with s_i = dt summed over its root-to-i path (one walk along
    ``tree.path``) and p_k = the same sum up to its depth-k ancestor j_k (a second walk),
        y_i = sum_n C_i[n] exp(A s_i) h0 + sum_k dt_{j_k} x_{j_k} sum_n C_i[n] B_{j_k}[n] exp(A (s_i - p_k)) + D x_i
    then ``y * silu(z)`` when the gate is given. The decay exp(A[d, n] (s_i - p_k)[d]) depends on
@@ -39,7 +39,7 @@ def _dt_eff(dt, bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
 @triton.jit
 def mamba1_tree_step_kernel(
     x, dt, Bm, Cm, z, y,  # tree inputs [T, Dn] x2, [T, N] x2, gate [T, Dn]; y [T, Dn]
-    cu_nodes, path, W,  # [B + 1] int32; path [T, W] int32 local ancestor at each depth (-1 beyond)
+    cu_nodes, path, W, depth,  # [B + 1] int32; path [T, W] int32 local ancestor at each depth (-1 beyond); depth [T]
     A, D, dt_bias,  # [Dn, N] fp32; [Dn] fp32 (dummies when absent)
     state, state_idx, s_slot, s_d, s_n,  # state[slot, d, n] through strides; state_idx [B]
     px, pdt, pB, plen, L,  # pending path: [S, L, Dn], [S, L, Dn], [S, L, N], [S]
@@ -83,9 +83,10 @@ def mamba1_tree_step_kernel(
             ri = r0 + o_r
             rm = ri < n
             rows = (bos + ri).to(tl.int64)
+            kend = tl.max(tl.load(depth + rows, mask=rm, other=0)) + 1  # the block's deepest path
             # s_i: dt summed along the root-to-i path
             s = tl.zeros([BR, BD], dtype=tl.float32)
-            for k in range(0, W):
+            for k in range(0, kend):
                 j = tl.load(path + rows * W + k, mask=rm, other=-1)
                 jm = rm & (j >= 0)
                 jr = (bos + tl.maximum(j, 0)).to(tl.int64)
@@ -95,7 +96,7 @@ def mamba1_tree_step_kernel(
             C_i = tl.load(Cm + rows[:, None] * N + o_n[None, :], mask=rm[:, None] & nm[None, :], other=0.0).to(tl.float32)
             out = tl.sum(C_i[:, None, :] * tl.exp(A_t[None, :, :] * s[:, :, None]) * S[None, :, :], axis=2)  # [BR, BD]
             p = tl.zeros([BR, BD], dtype=tl.float32)
-            for k in range(0, W):  # the ancestors-or-self, root first
+            for k in range(0, kend):  # the ancestors-or-self, root first
                 j = tl.load(path + rows * W + k, mask=rm, other=-1)
                 jm = rm & (j >= 0)
                 jr = (bos + tl.maximum(j, 0)).to(tl.int64)
@@ -140,10 +141,10 @@ def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_b
             out = torch.empty_like(x)
         assert out.is_contiguous(), "out must be contiguous"
         path = tree.path.contiguous()
-        tree_args = (x, dt, B, C, z if z is not None else x, out, tree.cu_nodes, path, path.shape[1])
+        tree_args = (x, dt, B, C, z if z is not None else x, out, tree.cu_nodes, path, path.shape[1], tree.depth)
     else:
         out = None
-        tree_args = (state, state, state, state, state, state, state_idx, state_idx, 0)
+        tree_args = (state, state, state, state, state, state, state_idx, state_idx, 0, state_idx)
     if pending is not None:
         pend_args = (pending.x, pending.dt, pending.B, pending.length, pending.max_len)
     else:

@@ -35,12 +35,12 @@ Fields (every other key is refused, with the list of allowed ones):
   ``"float16"`` (``draft_model`` only).
 * ``draft_runtime``: how a ``draft_model`` drafter runs (``draft_model`` only): ``"auto"`` (default:
   ``"paged"`` when the draft can, else ``"transformers"``), ``"paged"`` (inside the engine, incremental
-  over its own paged KV cache, all requests in one batch, CUDA graphs for the chain steps:
+  over its own paged KV cache, all requests in one batch, each step one CUDA graph replay:
   :mod:`vllm_bole.spec_decode.paged_draft`; attention-only drafts) or ``"transformers"`` (the
   reference: every step re-reads the histories, :mod:`vllm_bole.spec_decode.draft_model`; any draft,
   hybrids included).
 * ``draft_beam``: ``0`` (default): the paged draft model drafts its greedy chain with the top-``k``
-  candidates per depth (chain steps under CUDA graphs); ``w >= 1``: it drafts the tree node by node,
+  candidates per depth (each step one CUDA graph replay); ``w >= 1``: it drafts the tree node by node,
   the ``w`` best frontier nodes of every request and depth through one draft forward, every node's
   children from its own context (:mod:`vllm_bole.spec_decode.paged_tree_draft`; eager;
   ``w * (max_depth - 1) <= 256``). ``draft_model`` with the paged runtime only.

@@ -61,6 +61,9 @@ logger = logging.getLogger("vllm_bole")
 NGRAM_WINDOW = 4096  # context tokens the n-gram drafter searches (the most recent)
 MAX_TOP_K = 64  # candidates per depth a drafter proposes at most
 DRAFT_KV_BYTES = {True: 4 << 30, False: 256 << 20}  # the paged draft's KV pool at most (CUDA, CPU)
+# tree steps whose KV slots are checked against vLLM's slot mapping (a device sync each: the first ones
+# check the engine's configuration; the mapping follows from the same block tables afterwards)
+CHECKED_STEPS = 16
 
 
 def _first_rank() -> bool:
@@ -274,7 +277,8 @@ class TreeRunnerMixin:
         if step.num_plain and int((qsl[1:] - qsl[:-1]).max()) > 1:
             self._bole_stats["prefill_mixed_tree_steps"] += 1
         logits_indices = torch.cat([qsl[1:] - 1, torch.arange(s, s + T)]).to(logits_indices.device)
-        self._bole_check_slots(step)
+        if self._bole_stats["tree_steps"] < CHECKED_STEPS:
+            self._bole_check_slots(step)
         for g in self._bole_attention:
             g.begin(step)
         return logits_indices, None, max_sampled
@@ -321,7 +325,10 @@ class TreeRunnerMixin:
                 "verifies draft trees"
             )
         tlogits = logits[P:]
-        plain = self.sampler(logits=torch.cat([logits[:P], tlogits[tree.cu_nodes[:-1].long()]]), sampling_metadata=md)
+        # vLLM's sampler runs over every request of the batch (its metadata has a row each); a tree row's
+        # draw is discarded, so a batch of trees alone skips it
+        plain = self.sampler(logits=torch.cat([logits[:P], tlogits[tree.cu_nodes[:-1].long()]]),
+                             sampling_metadata=md) if P else None
         t0 = time.perf_counter()
         params = [self.requests[rid].sampling_params for rid in step.req_ids]
         res = verify_tree(tree, constrain(self.input_batch, step, tlogits.float(), params),
@@ -336,7 +343,8 @@ class TreeRunnerMixin:
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
         host = res.to("cpu")
         grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int64)
-        grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
+        if P:
+            grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
         grid[P:] = host.output_token_ids
         logprobs = None
         if md.max_num_logprobs is not None:

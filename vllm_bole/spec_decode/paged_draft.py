@@ -1,16 +1,20 @@
 """The draft model inside the engine: an attention-only transformers causal LM run incrementally over
-its own paged KV cache, every request of a step in one batch, the chain steps under a CUDA graph.
+its own paged KV cache, every request of a step in one batch, each step one CUDA graph replay.
 
 Per request (``key``: the engine's request id) the drafter keeps the tokens whose K/V its pages hold
 (the longest prefix of the request's history it has processed). One :meth:`PagedDraftModel.propose`:
 
-1. **catch-up**: every request's tokens after its cached prefix (the accepted tokens and the root;
-   the whole prompt the first time) in ONE packed forward, each request a causal chain over its
-   cached prefix (tree attention with a chain mask, at most :data:`CHUNK` tokens per request per
-   forward; longer catch-ups take more forwards); the last position gives the depth-1 candidates;
-2. **chain**: ``D - 1`` forwards of one token per request (the previous depth's top-1, at position
-   ``len + d - 1``), each giving the next depth's top-``k``. On CUDA all ``D - 1`` steps replay one
-   CUDA graph, captured per batch bucket (:data:`BUCKETS`) at its first use.
+1. **prefill** (eager, rare): a request with more than ``S = depth + 1`` uncached tokens (its prompt,
+   or a catch-up after an eviction) runs all but its last ``S`` through packed forwards, each request
+   a causal chain over its cached prefix (tree attention with a chain mask, at most :data:`CHUNK`
+   tokens per request per forward);
+2. **step** (:meth:`PagedDraftModel._step`): every request's last uncached tokens (the accepted
+   tokens and the root: at most ``S`` in steady state) in ONE forward of ``S`` slots per request
+   (junk after the real tokens, at chain positions), the depth-1 top-``k`` at the last real one;
+   then ``D - 1`` forwards of one token per request (the previous depth's top-1, at position
+   ``len + d - 1``), each giving the next depth's top-``k``. On CUDA the whole step replays one
+   CUDA graph, captured per batch bucket (:data:`BUCKETS`) at its first use (on the H200 a
+   catch-up through transformers' eager modules took ~6 ms of host time per step).
 
 The chain's own K/V (positions ``>= len(history)``) is scratch: only the history counts as cached,
 so tokens accepted from the chain are recomputed by the next catch-up (at most ``D + 1`` tokens).
@@ -53,7 +57,7 @@ logger = logging.getLogger("vllm_bole")
 ATTN_NAME = "bole_paged"
 PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the chain steps
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the step
 WORDS = (MAX_NODES + 31) // 32
 
 
@@ -223,8 +227,8 @@ class PagedDraftModel:
     ``max_len``: the longest history the engine can hand over (sizes the page tables); ``depth``:
     the deepest chain asked for (the CUDA graphs run that many steps; a call may ask for less);
     ``max_requests``: requests the pool holds at full length (fewer when ``kv_bytes`` caps it;
-    :class:`PagePool` evicts then); ``cuda_graphs``: capture the chain steps (CUDA only). On CUDA a
-    failed capture is logged once and the chain steps run eagerly (``runtime`` says so)."""
+    :class:`PagePool` evicts then); ``cuda_graphs``: capture the step (CUDA only). On CUDA a
+    failed capture is logged once and the steps run eagerly (``runtime`` says so)."""
 
     def __init__(self, path: str, dtype: str = "auto", top_k: int = 8, device="cpu", *, max_len: int,
                  depth: int, max_requests: int = 1, kv_bytes: int | None = None, page_size: int = 16,
@@ -265,7 +269,7 @@ class PagedDraftModel:
     @property
     def runtime(self) -> str:
         graphs = "CUDA graphs" if self.cuda_graphs else f"eager{f': {self.graph_error}' if self.graph_error else ''}"
-        return f"paged ({self.pool.num_pages} pages of {self.pool.page_size}, chain steps {graphs})"
+        return f"paged ({self.pool.num_pages} pages of {self.pool.page_size}, steps {graphs})"
 
     @staticmethod
     def bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -306,23 +310,46 @@ class PagedDraftModel:
             out_p[:, d] = p
             tok, pos = t[:, 0], pos + 1
 
-    def _chain_graph(self, B: int, steps: int):
-        """(graph, static buffers) of the chain steps for a batch bucket of ``B`` rows. The buffers
-        hold EVERY tensor the graph reads (the chain mask too): a tensor only the capture saw would
-        go back to the allocator and be overwritten while the graph still reads its address (seen on
-        the H200: the mask's ``cu_nodes`` reused, a device-side assert in ``repeat_interleave``)."""
-        key = (B, steps)
-        if key not in self._graphs:
-            dev, K = self.device, self.top_k
-            bufs = dict(tok=torch.zeros(B, dtype=torch.long, device=dev), pos=torch.zeros(B, dtype=torch.long, device=dev),
-                        table=torch.zeros(B, self.width, dtype=torch.int32, device=dev),
-                        out_t=torch.zeros(B, steps, K, dtype=torch.long, device=dev),
-                        out_p=torch.zeros(B, steps, K, dtype=torch.float32, device=dev),
-                        mask=chain_mask([1] * B, dev))
+    def _step(self, bufs: dict, steps: int, max_kv_len: int) -> None:
+        """The graph body: every row's last ``count`` uncached tokens (``tok`` [B, S], junk after them:
+        its K/V lands at chain positions, scratch that the chain overwrites before reading) from
+        position ``start``, top-k at the last one into ``out_t`` / ``out_p`` [:, 0]; then ``steps``
+        chain steps into [:, 1:]. Graph-safe: no host syncs, fixed shapes."""
+        B, S = bufs["tok"].shape
+        dev = bufs["tok"].device
+        pos = bufs["start"][:, None] + torch.arange(S, device=dev)
+        keep = torch.arange(B, device=dev) * S + bufs["count"] - 1
+        logits = self._forward(bufs["tok"].flatten(), pos.flatten(), bufs["start"], bufs["table"], bufs["mask"],
+                               max_kv_len, keep=keep)
+        p, t = self._topk(logits)
+        bufs["out_t"][:, 0], bufs["out_p"][:, 0] = t, p
+        if steps:
+            self._chain(t[:, 0], bufs["start"] + bufs["count"], bufs["table"], bufs["mask1"], steps, max_kv_len,
+                        bufs["out_t"][:, 1:], bufs["out_p"][:, 1:])
+
+    def _buffers(self, B: int, steps: int) -> dict:
+        """Zeroed inputs and outputs of :meth:`_step` for ``B`` rows (zero rows are padding: one token
+        at position 0, page table all trash page)."""
+        dev, K, S = self.device, self.top_k, self.depth + 1
+        return dict(tok=torch.zeros(B, S, dtype=torch.long, device=dev),
+                    start=torch.zeros(B, dtype=torch.long, device=dev),
+                    count=torch.ones(B, dtype=torch.long, device=dev),
+                    table=torch.zeros(B, self.width, dtype=torch.int32, device=dev),
+                    out_t=torch.zeros(B, steps + 1, K, dtype=torch.long, device=dev),
+                    out_p=torch.zeros(B, steps + 1, K, dtype=torch.float32, device=dev),
+                    mask=chain_mask([S] * B, dev), mask1=chain_mask([1] * B, dev))
+
+    def _step_graph(self, B: int):
+        """(graph, static buffers) of :meth:`_step` with ``depth - 1`` chain steps for a batch bucket of
+        ``B`` rows. The buffers hold EVERY tensor the graph reads (the masks too): a tensor only the
+        capture saw would go back to the allocator and be overwritten while the graph still reads
+        its address (seen on the H200: a chain mask reused, a device-side assert)."""
+        if B not in self._graphs:
+            dev, steps = self.device, self.depth - 1
+            bufs = self._buffers(B, steps)
 
             def run():
-                self._chain(bufs["tok"], bufs["pos"], bufs["table"], bufs["mask"], steps,
-                            self.width * self.pool.page_size, bufs["out_t"], bufs["out_p"])
+                self._step(bufs, steps, self.width * self.pool.page_size)
 
             side = torch.cuda.Stream(dev)  # warm-up (autotuning) outside the capture, as torch recommends
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -335,8 +362,8 @@ class PagedDraftModel:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 run()
-            self._graphs[key] = (graph, bufs)
-        return self._graphs[key]
+            self._graphs[B] = (graph, bufs)
+        return self._graphs[B]
 
     # ------------------------------------------------------------------ the drafter
     def release(self, keys: Sequence) -> None:
@@ -375,71 +402,79 @@ class PagedDraftModel:
             self.release(keys)
         return out
 
-    def _catch_up(self, live, hists, keys):
-        """Every live request's tokens after its cached prefix through the draft (chunks of CHUNK
-        per request and forward); returns (history lengths [n] np, page table [n, W] and the
-        depth-1 top-k tokens / probabilities [n, K] on the device)."""
-        dev, n = self.device, len(live)
+    def _prefill(self, live, hists, keys):
+        """Every live request's uncached tokens but its last ``depth + 1`` (at least one: the root)
+        through the draft eagerly (chunks of CHUNK per request and forward: prompts, catch-ups after
+        an eviction); returns (history lengths [n], first tokens left for :meth:`_step` [n], page
+        table [n, W] on the device)."""
+        dev, S = self.device, self.depth + 1
         L = np.array([len(hists[i]) for i in live], dtype=np.int64)
         start = np.array([min(self.pool.cached(k, hists[i]), len(hists[i]) - 1) for k, i in zip(keys, live)])
         table = torch.from_numpy(self.pool.table(keys, self.width)).to(dev)
-        first_t = torch.zeros(n, self.top_k, dtype=torch.long, device=dev)
-        first_p = torch.zeros(n, self.top_k, dtype=torch.float32, device=dev)
         while True:
-            rows = np.flatnonzero(start < L)
+            rows = np.flatnonzero(L - start > S)
             if rows.size == 0:
                 break
-            size = np.minimum(L[rows] - start[rows], CHUNK)
+            size = np.minimum(L[rows] - start[rows] - S, CHUNK)
             toks = np.concatenate([hists[live[r]][start[r] : start[r] + s] for r, s in zip(rows, size)])
             pos = np.concatenate([np.arange(start[r], start[r] + s) for r, s in zip(rows, size)])
-            ends = np.cumsum(size) - 1
-            done = start[rows] + size == L[rows]
-            logits = self._forward(torch.from_numpy(toks).to(dev), torch.from_numpy(pos).to(dev),
-                                   torch.from_numpy(start[rows]).to(dev), table[torch.from_numpy(rows).to(dev)],
-                                   chain_mask(size.tolist(), dev), int((start[rows] + size).max()),
-                                   keep=torch.from_numpy(ends[done]).to(dev))
-            p, t = self._topk(logits)
-            at = torch.from_numpy(rows[done]).to(dev)
-            first_t[at], first_p[at] = t, p
+            self._forward(torch.from_numpy(toks).to(dev), torch.from_numpy(pos).to(dev),
+                          torch.from_numpy(start[rows]).to(dev), table[torch.from_numpy(rows).to(dev)],
+                          chain_mask(size.tolist(), dev), int((start[rows] + size).max()),
+                          keep=torch.zeros(0, dtype=torch.long, device=dev))
             start[rows] += size
         for k, i in zip(keys, live):
             self.pool.set_tokens(k, hists[i])
-        return L, table, first_t, first_p
+        return L, start, table
+
+    def _fill(self, bufs: dict, live, hists, L, start, table) -> None:
+        """The live rows' last tokens, start, count and page table into the first rows of ``bufs``."""
+        n, S = len(live), self.depth + 1
+        tok = np.zeros((n, S), dtype=np.int64)
+        for r, i in enumerate(live):
+            tok[r, : L[r] - start[r]] = hists[i][start[r] :]
+        dev = self.device
+        bufs["tok"][:n] = torch.from_numpy(tok).to(dev)
+        bufs["start"][:n] = torch.from_numpy(start).to(dev)
+        bufs["count"][:n] = torch.from_numpy(L - start).to(dev)
+        bufs["table"][:n] = table
+
+    def _catch_up(self, live, hists, keys):
+        """Every live request's tokens after its cached prefix through the draft; returns (history
+        lengths [n] np, page table [n, W] and the depth-1 top-k tokens / probabilities [n, K] on the
+        device)."""
+        L, start, table = self._prefill(live, hists, keys)
+        bufs = self._buffers(len(live), 0)
+        self._fill(bufs, live, hists, L, start, table)
+        self._step(bufs, 0, int(L.max()) + self.depth + 1)
+        return L, table, bufs["out_t"][:, 0], bufs["out_p"][:, 0]
 
     def _propose_live(self, live, hists, keys, D) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, D, K] tokens and probabilities (CPU) of the live rows."""
-        dev, n = self.device, len(live)
-        L, table, first_t, first_p = self._catch_up(live, hists, keys)
-        toks = torch.empty(n, D, self.top_k, dtype=torch.long, device=dev)
-        probs = torch.empty(n, D, self.top_k, dtype=torch.float32, device=dev)
-        toks[:, 0], probs[:, 0] = first_t, first_p
-        if D > 1:
-            pos = torch.from_numpy(L).to(dev)
-            if self.cuda_graphs:
-                try:
-                    self._replay(first_t[:, 0], pos, table, D, toks, probs)
-                except RuntimeError as e:  # capture refused (e.g. a kernel that syncs): eager from now on
-                    self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                    logger.warning("vllm-bole: draft chain steps run eagerly: CUDA graph capture failed (%s)",
-                                   self.graph_error)
-            if not self.cuda_graphs:
-                self._chain(first_t[:, 0], pos, table, chain_mask([1] * n, dev), D - 1, int(L.max()) + D, toks[:, 1:],
-                            probs[:, 1:])
-        return toks.cpu(), probs.cpu()
+        """[n, D, K] tokens and probabilities (CPU) of the live rows: the eager prefill, then the last
+        catch-up forward and the chain steps, on CUDA as one graph replay per batch bucket."""
+        n = len(live)
+        L, start, table = self._prefill(live, hists, keys)
+        if self.cuda_graphs:
+            try:
+                return self._replay(live, hists, L, start, table, D)
+            except RuntimeError as e:  # capture refused (e.g. a kernel that syncs): eager from now on
+                self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                logger.warning("vllm-bole: draft steps run eagerly: CUDA graph capture failed (%s)", self.graph_error)
+        bufs = self._buffers(n, D - 1)
+        self._fill(bufs, live, hists, L, start, table)
+        self._step(bufs, D - 1, int(L.max()) + self.depth + 1)
+        return bufs["out_t"].cpu(), bufs["out_p"].cpu()
 
-    def _replay(self, tok, pos, table, D, toks, probs) -> None:
-        """The chain steps through the captured graphs (buckets of at most the largest one)."""
-        n, steps = tok.numel(), self.depth - 1
-        for s in range(0, n, BUCKETS[-1]):
-            e = min(n, s + BUCKETS[-1])
-            Bp = next(b for b in BUCKETS if b >= e - s)
-            graph, bufs = self._chain_graph(Bp, steps)
-            bufs["tok"].zero_()
-            bufs["pos"].zero_()
-            bufs["table"].zero_()
-            bufs["tok"][: e - s] = tok[s:e]
-            bufs["pos"][: e - s] = pos[s:e]
-            bufs["table"][: e - s] = table[s:e]
+    def _replay(self, live, hists, L, start, table, D) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step through the captured graphs (buckets of at most the largest one)."""
+        toks, probs = [], []
+        for s in range(0, len(live), BUCKETS[-1]):
+            e = min(len(live), s + BUCKETS[-1])
+            graph, bufs = self._step_graph(next(b for b in BUCKETS if b >= e - s))
+            for name, value in (("tok", 0), ("start", 0), ("count", 1), ("table", 0)):
+                bufs[name].fill_(value)
+            self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e])
             graph.replay()
-            toks[s:e, 1:] = bufs["out_t"][: e - s, : D - 1]
-            probs[s:e, 1:] = bufs["out_p"][: e - s, : D - 1]
+            toks.append(bufs["out_t"][: e - s, :D].cpu())
+            probs.append(bufs["out_p"][: e - s, :D].cpu())
+        return torch.cat(toks), torch.cat(probs)
