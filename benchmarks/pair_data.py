@@ -19,8 +19,12 @@ Evaluation prompts (``prompts.json``, chat template applied where the dataset is
 first turns (80), HumanEval prompts (164), first human turns of held-out ShareGPT conversations.
 MT-Bench and HumanEval are never trained on.
 
+Sessions (``sessions.json``, for the online benchmark ``bench_online.py``): the human turns (text) of
+held-out ShareGPT conversations with at least two of them, each cut to ``TURN_CHARS`` characters.
+
 Out: ``shard{i}.npy.xz`` (uint16 token ids, documents separated by EOS, xz-compressed), ``heldout.npy.xz``,
-``prompts.json`` and the tokenizer files (``tokenizer/``), plus ``manifest.json`` (sizes, counts).
+``prompts.json``, ``sessions.json`` and the tokenizer files (``tokenizer/``), plus ``manifest.json``
+(sizes, counts).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from acceptance_data import (GGUF_FILE, chat_ids, humaneval_prompts, mtbench_pro
                              sharegpt_conversations)
 
 HOLDOUT = 50
+TURN_CHARS, SESSION_TURNS = 1500, 4  # a session's human turns: characters each, turns at most
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -88,6 +93,7 @@ def main() -> int:
     ap.add_argument("--shard-mb", type=float, default=9.0, help="compressed size of one shard")
     ap.add_argument("--conversations", type=int, default=100_000)
     ap.add_argument("--sharegpt-prompts", type=int, default=80)
+    ap.add_argument("--sessions", type=int, default=128, help="held-out multi-turn conversations for sessions.json")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -136,9 +142,13 @@ def main() -> int:
                    humaneval=[chat_ids(tok, t) for _, t in humaneval_prompts()],
                    sharegpt=[p for p in (chat_ids(tok, t) for t in held_first) if len(p) <= 512][: args.sharegpt_prompts])
     (args.out / "prompts.json").write_text(json.dumps(prompts))
+    sessions = [[t["value"][:TURN_CHARS] for t in c["conversations"] if t.get("from") == "human" and t.get("value")]
+                [:SESSION_TURNS] for i, c in enumerate(convs) if i % HOLDOUT == 0 and chats[i][1]]
+    sessions = [s for s in sessions if len(s) >= 2][: args.sessions]
+    (args.out / "sessions.json").write_text(json.dumps(sessions))
     manifest = dict(tokens=tokens, shard_bytes=sizes, heldout_tokens=int(len(held_ids)), eos=int(eos),
                     vocab=len(tok), documents=dict(train=len(train), heldout=len(held)),
-                    prompts={k: len(v) for k, v in prompts.items()}, unused_train_documents=len(order) - pos)
+                    prompts={k: len(v) for k, v in prompts.items()}, sessions=len(sessions), unused_train_documents=len(order) - pos)
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(json.dumps(manifest))
     return 0

