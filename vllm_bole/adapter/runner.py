@@ -56,6 +56,7 @@ from vllm_bole.spec_decode.paged_draft import PagedDraftModel
 from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
 from vllm_bole.spec_decode.step import commit, draft_trees, verify_tree
 from vllm_bole.spec_decode.tree import MAX_DEPTH
+from vllm_bole.transfer import upload
 
 logger = logging.getLogger("vllm_bole")
 NGRAM_WINDOW = 4096  # context tokens the n-gram drafter searches (the most recent)
@@ -270,13 +271,13 @@ class TreeRunnerMixin:
             # position plus the request's delta (vLLM's MRotaryEmbedding.get_next_input_positions_tensor)
             delta = torch.tensor([self.requests[rid].mrope_position_delta for rid in step.req_ids], dtype=torch.long)
             mrope = self.mrope_positions.gpu
-            mrope[:, s : s + T] = (pos + delta.to(pos.device)[step.tree.request_index]).to(mrope.device, mrope.dtype)
+            mrope[:, s : s + T] = (pos + upload(delta, pos.device)[step.tree.request_index]).to(mrope.device, mrope.dtype)
         # placeholders (-1, scheduler padding) must not reach the embedding
         self.input_ids.gpu[s : s + T].clamp_(min=0)
         qsl = self.query_start_loc.cpu[: step.num_plain + 1].long()
         if step.num_plain and int((qsl[1:] - qsl[:-1]).max()) > 1:
             self._bole_stats["prefill_mixed_tree_steps"] += 1
-        logits_indices = torch.cat([qsl[1:] - 1, torch.arange(s, s + T)]).to(logits_indices.device)
+        logits_indices = upload(torch.cat([qsl[1:] - 1, torch.arange(s, s + T)]), logits_indices.device)
         if self._bole_stats["tree_steps"] < CHECKED_STEPS:
             self._bole_check_slots(step)
         for g in self._bole_attention:
@@ -368,7 +369,7 @@ class TreeRunnerMixin:
             if times is not None:
                 self._bole_metrics.observe("vllm:bole_step_predicted_seconds", times[0])
                 self._bole_metrics.observe("vllm:bole_step_measured_seconds", times[1])
-        return SamplerOutput(sampled_token_ids=grid.to(torch.int32).to(logits.device), logprobs_tensors=logprobs)
+        return SamplerOutput(sampled_token_ids=upload(grid, logits.device, torch.int32), logprobs_tensors=logprobs)
 
     def sample_tokens(self, grammar_output):
         state = getattr(self, "execute_model_state", None)
@@ -446,9 +447,10 @@ class TreeRunnerMixin:
         chain = tree.first_child_depth().tolist()
         host_tree, tree = tree, tree.to(dev)
         prefix_np = ib.num_computed_tokens_cpu[rows].astype(np.int64)
-        prefix = torch.from_numpy(prefix_np).to(dev)
-        block_tables = {g.group: ib.block_table[g.group].block_table.cpu[rows].to(dev) for g in self._bole_attention}
-        state_slots = {gid: ib.block_table[gid].block_table.cpu[rows, 0].long().to(dev) for gid in self._bole_recurrent}
+        prefix = upload(torch.from_numpy(prefix_np), dev)
+        block_tables = {g.group: upload(ib.block_table[g.group].block_table.cpu[rows], dev) for g in self._bole_attention}
+        state_slots = {gid: upload(ib.block_table[gid].block_table.cpu[rows, 0], dev, torch.long)
+                       for gid in self._bole_recurrent}
         return TreeStep(num_plain=P, tok_start=int(self.query_start_loc.cpu[P]), tree=tree, host_tree=host_tree,
                         prefix_len=prefix,
                         req_ids=[ib.req_ids[i] for i in rows], rows=rows, block_tables=block_tables,
@@ -472,7 +474,7 @@ class TreeRunnerMixin:
         if not todo:
             return
         for gid, layers in self._bole_recurrent.items():
-            slots = torch.tensor([g[gid] for g in todo.values() if gid in g], dtype=torch.long, device=self.device)
+            slots = upload(torch.tensor([g[gid] for g in todo.values() if gid in g], dtype=torch.long), self.device)
             if slots.numel():
                 for layer in layers:
                     layer.flush(slots, self.bole_config.kernels)

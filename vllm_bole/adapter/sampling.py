@@ -8,6 +8,7 @@ import torch
 from vllm_bole.adapter.tree_step import TreeStep
 from vllm_bole.spec_decode.sampling import SAMPLING_EPS
 from vllm_bole.spec_decode.step import Sampling
+from vllm_bole.transfer import upload
 
 
 def supports_tree(sp) -> bool:
@@ -90,6 +91,6 @@ def emitted_logprobs(sampler, logprobs_mode: str, logits, num_plain: int, tree, 
     acc = result.accepted_nodes.long().cpu()
     rows[num_plain:] = torch.where(acc >= 0, acc + tree.cu_nodes[:-1, None].long().cpu(), torch.zeros_like(acc)) \
         + num_plain
-    sel = logits[rows.flatten().to(logits.device)]
+    sel = logits[upload(rows.flatten(), logits.device)]
     lp = sampler.compute_logprobs(sel) if logprobs_mode == "raw_logprobs" else sel.float()
-    return sampler.gather_logprobs(lp, k, grid.clamp(min=0).flatten().to(logits.device))
+    return sampler.gather_logprobs(lp, k, upload(grid.clamp(min=0).flatten(), logits.device))

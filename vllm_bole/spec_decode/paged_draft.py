@@ -50,6 +50,7 @@ from vllm_bole.attention.tree_attention import tree_attention
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.tree import MAX_NODES
+from vllm_bole.transfer import upload
 
 __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support"]
 logger = logging.getLogger("vllm_bole")
@@ -80,7 +81,7 @@ def chain_mask(sizes: Sequence[int], device) -> ChainMask:
     local = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], n)
     bits = (local[:, None] + 1 - 32 * torch.arange(WORDS)[None, :]).clamp(0, 32)
     words = torch.where(bits == 32, torch.full_like(bits, -1), (1 << bits) - 1).to(torch.int32)
-    return ChainMask(cu.to(device=device, dtype=torch.int32), words.to(device), int(n.max()) if n.numel() else 0)
+    return ChainMask(upload(cu, device, torch.int32), upload(words, device), int(n.max()) if n.numel() else 0)
 
 
 @dataclass
@@ -410,7 +411,7 @@ class PagedDraftModel:
         dev, S = self.device, self.depth + 1
         L = np.array([len(hists[i]) for i in live], dtype=np.int64)
         start = np.array([min(self.pool.cached(k, hists[i]), len(hists[i]) - 1) for k, i in zip(keys, live)])
-        table = torch.from_numpy(self.pool.table(keys, self.width)).to(dev)
+        table = upload(torch.from_numpy(self.pool.table(keys, self.width)), dev)
         while True:
             rows = np.flatnonzero(L - start > S)
             if rows.size == 0:
@@ -418,8 +419,8 @@ class PagedDraftModel:
             size = np.minimum(L[rows] - start[rows] - S, CHUNK)
             toks = np.concatenate([hists[live[r]][start[r] : start[r] + s] for r, s in zip(rows, size)])
             pos = np.concatenate([np.arange(start[r], start[r] + s) for r, s in zip(rows, size)])
-            self._forward(torch.from_numpy(toks).to(dev), torch.from_numpy(pos).to(dev),
-                          torch.from_numpy(start[rows]).to(dev), table[torch.from_numpy(rows).to(dev)],
+            self._forward(upload(torch.from_numpy(toks), dev), upload(torch.from_numpy(pos), dev),
+                          upload(torch.from_numpy(start[rows]), dev), table[upload(torch.from_numpy(rows), dev)],
                           chain_mask(size.tolist(), dev), int((start[rows] + size).max()),
                           keep=torch.zeros(0, dtype=torch.long, device=dev))
             start[rows] += size
@@ -434,9 +435,9 @@ class PagedDraftModel:
         for r, i in enumerate(live):
             tok[r, : L[r] - start[r]] = hists[i][start[r] :]
         dev = self.device
-        bufs["tok"][:n] = torch.from_numpy(tok).to(dev)
-        bufs["start"][:n] = torch.from_numpy(start).to(dev)
-        bufs["count"][:n] = torch.from_numpy(L - start).to(dev)
+        bufs["tok"][:n] = upload(torch.from_numpy(tok), dev)
+        bufs["start"][:n] = upload(torch.from_numpy(start), dev)
+        bufs["count"][:n] = upload(torch.from_numpy(L - start), dev)
         bufs["table"][:n] = table
 
     def _catch_up(self, live, hists, keys):

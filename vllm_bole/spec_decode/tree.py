@@ -32,6 +32,8 @@ from typing import Sequence
 
 import torch
 
+from vllm_bole.transfer import upload
+
 MAX_DEPTH = 64
 MAX_NODES = 256
 
@@ -98,7 +100,7 @@ class TreeBatch:
 
     def to(self, device) -> "TreeBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TreeBatch(**{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in moved.items()})
+        return TreeBatch(**{n: upload(x, device) if isinstance(x, torch.Tensor) else x for n, x in moved.items()})
 
     def root_path(self, r: int, node: int) -> list[int]:
         """Local indices of the path root .. ``node`` of request ``r`` (tests, debugging)."""

@@ -198,10 +198,14 @@ def _counters(llm) -> dict:
 
 
 def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Counters as differences (``branch_by_depth``'s per-depth counts too); the accept log from where it
+    stood; other values (lists, rates) as they are now."""
     if after is None:
         return None
-    """Counters as differences; the accept log from where it stood; other values (lists) as they are now."""
     out = {k: v - before[k] if isinstance(v, (int, float)) else v for k, v in after.items()}
+    if "branch_by_depth" in after:
+        out["branch_by_depth"] = {c: [a - b for a, b in zip(v, before["branch_by_depth"][c])]
+                                  for c, v in after["branch_by_depth"].items()}
     out["accept_log"] = after["accept_log"][len(before["accept_log"]):]
     return out
 
