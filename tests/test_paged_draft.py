@@ -67,6 +67,42 @@ def test_paged_equals_transformers(tiny, kernels):
             pd.release(["a"])  # a finished request comes back under the same key: caught up from scratch
 
 
+def test_graph_replay_path_on_cpu(tiny, monkeypatch):
+    """The CUDA-graph path's bookkeeping without a GPU: ``_step_graph`` replaced by an eager replay of
+    the same body on the same static buffers, batch buckets of at most 4 rows (5 requests: a bucket
+    of 4, then one of 1 with no padding; 3 requests: one padded bucket of 4), cap-length keys; the
+    candidates stay the transformers drafter's over four steps."""
+    from vllm_bole.spec_decode import paged_draft
+
+    class EagerGraph:
+        def __init__(self, run):
+            self.replay = run
+
+    def step_graph(self, B):
+        if B not in self._graphs:
+            bufs = self._buffers(B, self.depth - 1)
+            self._graphs[B] = (EagerGraph(lambda: self._step(bufs, self.depth - 1, self.width * self.pool.page_size)),
+                               bufs)
+        return self._graphs[B]
+
+    monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4))
+    monkeypatch.setattr(PagedDraftModel, "_step_graph", step_graph)
+    path = str(tiny["llama"])
+    ref = HFDraftModel(path, top_k=3)
+    pd = PagedDraftModel(path, top_k=3, max_len=256, depth=4, max_requests=6, kernels="torch")
+    pd.cuda_graphs = True
+    g = torch.Generator().manual_seed(11)
+    hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (9, 3, 40, 1, 22)]
+    for live in (range(5), range(5), (0, 2, 4), range(5)):  # the last step reads what padding rows must not touch
+        keys, hs, depths = [str(i) for i in live], [hists[i] for i in live], [4, 2, 3, 4, 1][: len(live)]
+        got = pd.propose(hs, depths, keys=keys).validate()
+        assert_same_candidates(got, ref.propose(hs, depths), depths)
+        for b, i in enumerate(live):
+            k = int(torch.randint(0, depths[b] + 1, (1,), generator=g))
+            hists[i] += got.tokens[b, :k, 0].tolist() + [int(torch.randint(3, 1000, (1,), generator=g))]
+    assert pd.cuda_graphs and sorted(pd._graphs) == [1, 4]
+
+
 def test_eviction_and_refusal(tiny):
     """A pool of 6 pages (16 tokens each) beside requests of 2-3 pages: the least recently drafted
     request outside the batch is evicted and caught up from scratch when it returns; a request that
