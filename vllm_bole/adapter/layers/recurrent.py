@@ -16,6 +16,7 @@ import torch
 
 from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
 from vllm_bole.mamba.tree_conv import commit_conv_state, tree_conv
+from vllm_bole.transfer import upload
 
 
 def conv_state_view(cache: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,7 @@ class RecurrentLayer:
         slots = step.state_slots[self.group]
         conv_state = conv_state_view(self.module.kv_cache[0])
         if bool(step.fresh.any()):  # a host tensor: no device sync
-            fresh = slots[step.fresh.to(slots.device)]
+            fresh = slots[upload(step.fresh, slots.device)]
             conv_state[fresh] = 0
             self.state_view()[fresh] = 0
         out = tree_conv(conv_in, weight, conv_state, slots, step.tree, bias=bias, activation=activation,
