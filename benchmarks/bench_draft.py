@@ -1,5 +1,5 @@
 """Drafting speed: the paged in-engine draft model (``spec_decode/paged_draft.py``; eager and with
-its chain steps under CUDA graphs; and drafting trees node by node, ``paged_tree_draft.py``, beam 2
+each step one CUDA graph replay; and drafting trees node by node, ``paged_tree_draft.py``, beam 2
 and 4) against the transformers drafter (``spec_decode/draft_model.py``, what the runner used
 before), same process, same draft, same histories.
 
