@@ -29,9 +29,11 @@ per target step: 1 for ``ar``; vLLM's spec-decode counters for ``vllm_chain``; t
 counters for ours), ``tpot_ms`` (generate seconds per call / new tokens, averaged: the time per
 output token a request of that call saw, first token included), and for ours the split per step:
 ``draft_ms``, ``verify_commit_ms`` (tree verification and commit of the recurrent layers, inside the
-step), ``step_ms`` (whole engine step), ``branch_by_depth`` (per depth 1..8 the cell's main-path and
-sibling nodes reached and accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``: ``mode,
-drafter, budget, batch, dataset, temperature, tokens_per_s, accept_len, tpot_ms``, ...) and
+step), ``forward_ms`` (the target forward of a tree step, GPU time), ``prepare_ms`` (input
+preparation per step, host), ``step_ms`` (whole engine step; the rest is vLLM's and our other host
+work), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
+accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
+``mode, drafter, budget, batch, dataset, temperature, tokens_per_s, accept_len, tpot_ms``, ...) and
 ``$OUT/controller.json`` (``rows``: ``batch, dataset, controller_tps, best_fixed_tps,
 best_fixed_budget, global_fixed_tps`` per drafter; ``chosen``: the controller's mean budgets).
 """
@@ -149,6 +151,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    step_ms=1000 * res["generate_s"] / max(st["steps"], 1),
                    draft_ms=1000 * st["draft_s"] / max(st["steps"], 1),
                    verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
+                   forward_ms=1000 * st["forward_s"] / max(st["tree_steps"], 1),
+                   prepare_ms=1000 * st["prepare_s"] / max(st["steps"], 1),
                    tree_steps=st["tree_steps"], drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                    branch_by_depth=st.get("branch_by_depth"))
         if cell["budget"] == "auto" and st.get("budget_steps"):

@@ -77,6 +77,29 @@ def _first_rank() -> bool:
         return True
 
 
+class _ForwardTimer:
+    """The target forward of a tree step: CUDA events (read once the step's results are on the host,
+    so no extra sync), wall time elsewhere."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> "_ForwardTimer":
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.dt = time.perf_counter() - self.t0
+        return self
+
+    def seconds(self) -> float:
+        return self.events[0].elapsed_time(self.events[1]) / 1000 if self.cuda else self.dt
+
+
 class TreeRunnerMixin:
     """Mixed into vLLM's V1 model runner (see the module docstring)."""
 
@@ -104,7 +127,8 @@ class TreeRunnerMixin:
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
         self._bole_stats = dict(steps=0, tree_steps=0, mixed_tree_steps=0, prefill_mixed_tree_steps=0,
                                 placeholder_trees=0, resumed_requests=0, drafted_nodes=0, accepted=0,
-                                verified_requests=0, draft_s=0.0, verify_commit_s=0.0)
+                                verified_requests=0, draft_s=0.0, verify_commit_s=0.0, prepare_s=0.0, forward_s=0.0)
+        self._bole_forward_timer: _ForwardTimer | None = None
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
         self._bole_calibration = Calibration()  # decaying: the builder's factors
@@ -251,6 +275,13 @@ class TreeRunnerMixin:
                 pos[a], pos[b] = j, k
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        t0 = time.perf_counter()
+        try:
+            return self._bole_prepare_inputs(scheduler_output, num_scheduled_tokens)
+        finally:
+            self._bole_stats["prepare_s"] += time.perf_counter() - t0
+
+    def _bole_prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self._bole_budget is not None:
             self._bole_budget.start()
         logits_indices, spec_md, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -306,10 +337,12 @@ class TreeRunnerMixin:
 
     def _model_forward(self, *args, **kwargs):
         self._bole_active.step = self._bole_step
+        timer = _ForwardTimer(self.device) if self._bole_step is not None else None
         try:
             return super()._model_forward(*args, **kwargs)
         finally:
             self._bole_active.step = None
+            self._bole_forward_timer = timer and timer.stop()
 
     def _sample(self, logits, spec_decode_metadata):
         step = self._bole_step
@@ -342,7 +375,10 @@ class TreeRunnerMixin:
         self._bole_stats["verify_commit_s"] += dt
         self._bole_metrics.observe("vllm:bole_verify_commit_seconds", dt)
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
-        host = res.to("cpu")
+        host = res.to("cpu")  # the step's results on the host: its forward has run
+        if self._bole_forward_timer is not None:
+            self._bole_stats["forward_s"] += self._bole_forward_timer.seconds()
+            self._bole_forward_timer = None
         grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int64)
         if P:
             grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
@@ -393,7 +429,10 @@ class TreeRunnerMixin:
         return drafts
 
     def bole_stats(self) -> dict:
-        """Counters (steps, tree steps, drafted nodes, accepted nodes) and the per-step log of
+        """Counters (steps, tree steps, drafted nodes, accepted nodes; seconds: ``draft_s`` drafting per
+        step, ``prepare_s`` input preparation per step (host), ``forward_s`` the target forward of tree
+        steps (device time on CUDA), ``verify_commit_s`` per tree step (host, until the results are
+        queued)) and the per-step log of
         (request, drafted greedy-chain length, accepted draft nodes); ``branch_by_depth``: per depth
         1..max_depth, main-path and sibling nodes reached and accepted since the engine started;
         ``calibration``: per node kind (main, branch, off) and depth the recent acceptance rates and
