@@ -137,8 +137,7 @@ def main() -> int:
         extra += ["--attention-backend", "TRITON_ATTN", "--gpu-memory-utilization", "0.5"]
     rows = []
     head = dict(target=str(target), draft=str(draft) if drafter == "draft_model" else None,
-                commit=os.environ.get("BOLE_COMMIT"), settings=vars(args) | dict(pair=str(args.pair),
-                                                                                  data=str(args.data)))
+                commit=os.environ.get("BOLE_COMMIT"), settings=vars(args))
     for mode in args.mode or ("ar", "vllm_chain", "bole_tree"):
         spec = spec_for(mode, drafter, draft, args.chain_k)
         base_row = dict(mode=mode, drafter="none" if mode == "ar" else drafter)

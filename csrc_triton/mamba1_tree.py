@@ -9,8 +9,9 @@ strides, any float dtype, computed in fp32) and:
        h <- exp(dt_j A) h + dt_j x_j B_j
    and writes it back in place (one write per step);
 2. verify (``HAS_TREE``): every tree node's output from h and the node's ancestors only. Nodes go
-   in row blocks of BR (each block's walks as deep as its deepest node); for a node i with s_i = dt summed over its root-to-i path (one walk along
-   ``tree.path``) and p_k = the same sum up to its depth-k ancestor j_k (a second walk),
+   in row blocks of BR, each block's walks as deep as its deepest node; for a node i with s_i = dt
+   summed over its root-to-i path (one walk along ``tree.path``) and p_k = the same sum up to its
+   depth-k ancestor j_k (a second walk),
        y_i = sum_n C_i[n] exp(A s_i) h0 + sum_k dt_{j_k} x_{j_k} sum_n C_i[n] B_{j_k}[n] exp(A (s_i - p_k)) + D x_i
    then ``y * silu(z)`` when the gate is given. The decay exp(A[d, n] (s_i - p_k)[d]) depends on
    (channel, state): every term is formed, in [BR, BD, BN] tiles (no ``C . B`` shortcut, no

@@ -329,16 +329,23 @@ class PagedDraftModel:
                         bufs["out_t"][:, 1:], bufs["out_p"][:, 1:])
 
     def _buffers(self, B: int, steps: int) -> dict:
-        """Zeroed inputs and outputs of :meth:`_step` for ``B`` rows (zero rows are padding: one token
-        at position 0, page table all trash page)."""
+        """Inputs and outputs of :meth:`_step` for ``B`` rows, every row padding (:meth:`_pad`)."""
         dev, K, S = self.device, self.top_k, self.depth + 1
-        return dict(tok=torch.zeros(B, S, dtype=torch.long, device=dev),
-                    start=torch.zeros(B, dtype=torch.long, device=dev),
-                    count=torch.ones(B, dtype=torch.long, device=dev),
-                    table=torch.zeros(B, self.width, dtype=torch.int32, device=dev),
+        bufs = dict(tok=torch.empty(B, S, dtype=torch.long, device=dev),
+                    start=torch.empty(B, dtype=torch.long, device=dev),
+                    count=torch.empty(B, dtype=torch.long, device=dev),
+                    table=torch.empty(B, self.width, dtype=torch.int32, device=dev),
                     out_t=torch.zeros(B, steps + 1, K, dtype=torch.long, device=dev),
                     out_p=torch.zeros(B, steps + 1, K, dtype=torch.float32, device=dev),
                     mask=chain_mask([S] * B, dev), mask1=chain_mask([1] * B, dev))
+        self._pad(bufs)
+        return bufs
+
+    @staticmethod
+    def _pad(bufs: dict) -> None:
+        """Every row of ``bufs`` a padding row: one token at position 0, page table all trash page."""
+        for name, value in (("tok", 0), ("start", 0), ("count", 1), ("table", 0)):
+            bufs[name].fill_(value)
 
     def _step_graph(self, B: int):
         """(graph, static buffers) of :meth:`_step` with ``depth - 1`` chain steps for a batch bucket of
@@ -440,20 +447,25 @@ class PagedDraftModel:
         bufs["count"][:n] = upload(torch.from_numpy(L - start), dev)
         bufs["table"][:n] = table
 
+    def _eager_step(self, live, hists, L, start, table, steps: int) -> dict:
+        """:meth:`_step` of the live rows without a graph (keys up to the longest history and its
+        ``depth + 1`` scratch positions); returns its buffers."""
+        bufs = self._buffers(len(live), steps)
+        self._fill(bufs, live, hists, L, start, table)
+        self._step(bufs, steps, int(L.max()) + self.depth + 1)
+        return bufs
+
     def _catch_up(self, live, hists, keys):
         """Every live request's tokens after its cached prefix through the draft; returns (history
         lengths [n] np, page table [n, W] and the depth-1 top-k tokens / probabilities [n, K] on the
         device)."""
         L, start, table = self._prefill(live, hists, keys)
-        bufs = self._buffers(len(live), 0)
-        self._fill(bufs, live, hists, L, start, table)
-        self._step(bufs, 0, int(L.max()) + self.depth + 1)
+        bufs = self._eager_step(live, hists, L, start, table, 0)
         return L, table, bufs["out_t"][:, 0], bufs["out_p"][:, 0]
 
     def _propose_live(self, live, hists, keys, D) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, D, K] tokens and probabilities (CPU) of the live rows: the eager prefill, then the last
         catch-up forward and the chain steps, on CUDA as one graph replay per batch bucket."""
-        n = len(live)
         L, start, table = self._prefill(live, hists, keys)
         if self.cuda_graphs:
             try:
@@ -461,9 +473,7 @@ class PagedDraftModel:
             except RuntimeError as e:  # capture refused (e.g. a kernel that syncs): eager from now on
                 self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
                 logger.warning("vllm-bole: draft steps run eagerly: CUDA graph capture failed (%s)", self.graph_error)
-        bufs = self._buffers(n, D - 1)
-        self._fill(bufs, live, hists, L, start, table)
-        self._step(bufs, D - 1, int(L.max()) + self.depth + 1)
+        bufs = self._eager_step(live, hists, L, start, table, D - 1)
         return bufs["out_t"].cpu(), bufs["out_p"].cpu()
 
     def _replay(self, live, hists, L, start, table, D) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,8 +482,7 @@ class PagedDraftModel:
         for s in range(0, len(live), BUCKETS[-1]):
             e = min(len(live), s + BUCKETS[-1])
             graph, bufs = self._step_graph(next(b for b in BUCKETS if b >= e - s))
-            for name, value in (("tok", 0), ("start", 0), ("count", 1), ("table", 0)):
-                bufs[name].fill_(value)
+            self._pad(bufs)
             self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e])
             graph.replay()
             toks.append(bufs["out_t"][: e - s, :D].cpu())
