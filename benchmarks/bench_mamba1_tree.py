@@ -145,6 +145,16 @@ def run_ours(c, state, pending, verify_only=False):
     return step
 
 
+def tile_sweep(c, state, timer):
+    """Verification alone at other tile sizes and warp counts ({"tile/warps": ms}): the data for the
+    launcher's defaults (``csrc_triton.mamba1_tree.TILE``, 4 warps)."""
+    from csrc_triton.mamba1_tree import mamba1_tree_step as launch
+
+    args = (*_args(c), state, c["slots_dev"], None, c["D"], None, c["dt_bias"], True)
+    return {f"{t}/{w}": timer(lambda: launch(*args, tile=t, num_warps=w), rep=30)
+            for t in (1024, 2048, 4096, 8192) for w in (2, 4, 8)}
+
+
 def serial_setup(c, state, cfg):
     Dn, Nst = cfg
     dev = state.device
@@ -287,8 +297,9 @@ def main():
                 del serial_fn, pn_fn
                 fl, bytes_ = floor_ms(B, N, c["m_mean"], cfg, ceil)
                 ours_transient = B * c["P"] * input_row_bytes(cfg, with_c=False)
+                tiles = tile_sweep(c, state, timer) if (B, N) == (32, 64) and not smoke else {}
                 rows.append(dict(
-                    config=name, B=B, N=N, ours_ms=ours, serial_ms=serial, per_node_ms=per_node, floor_ms=fl,
+                    config=name, B=B, N=N, ours_ms=ours, ours_verify_tiles_ms=tiles, serial_ms=serial, per_node_ms=per_node, floor_ms=fl,
                     ours_transient_bytes=ours_transient, per_node_transient_bytes=pn_bytes,
                     ours_verify_only_ms=verify_only, floor_bytes=bytes_, mean_accepted_path=c["m_mean"],
                     max_depth=c["tree"].max_depth, serial_path_tokens=serial_tokens, channels=Dn, d_state=Nst))
