@@ -124,7 +124,8 @@ class Slots:
         return Slots(valid=nvalid, parent=parent, logrho=logrho, **fields)
 
 
-# expand(request [F], slot [F], depth, slots) -> (probs [F, c], tokens [F, c], child-distribution rows [F] or None)
+# expand(request [F], slot [F], depth, slots) -> (probs [F, c], tokens [F, c], child-distribution rows [F] or None),
+# torch tensors or numpy arrays
 Expand = Callable[[torch.Tensor, torch.Tensor, int, Slots], tuple]
 
 
@@ -166,6 +167,21 @@ _FIELDS = ("valid", "token", "parent", "depth", "logrho", "qprob", "row", "nid",
 def _as_slots(a: dict, device) -> Slots:
     """numpy search state -> :class:`Slots` (torch; zero-copy on the CPU)."""
     return Slots(**{k: torch.from_numpy(a[k]).to(device) for k in _FIELDS})
+
+
+class _SlotsView:
+    """The search state as :class:`Slots`' torch fields, each converted on its first read (most
+    ``expand`` functions read none: per-depth candidates)."""
+
+    def __init__(self, a: dict, device):
+        self._a, self._device = a, device
+
+    def __getattr__(self, name):
+        if name not in _FIELDS:
+            raise AttributeError(name)
+        value = torch.from_numpy(self._a[name]).to(self._device)
+        setattr(self, name, value)
+        return value
 
 
 def _np(x) -> np.ndarray:
@@ -212,7 +228,7 @@ def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int,
         fb, fs = np.nonzero(front)
         if fb.size == 0:
             break
-        vals, toks, rows = expand(torch.from_numpy(fb), torch.from_numpy(fs), d, _as_slots(a, device))
+        vals, toks, rows = expand(torch.from_numpy(fb), torch.from_numpy(fs), d, _SlotsView(a, device))
         vals, toks = _np(vals), _np(toks).astype(np.int64)
         c = vals.shape[1]
         # kind of each child: the first child of a main node is main, its later children branch, the
@@ -310,9 +326,10 @@ def best_first_slots(
         # most probable first within a depth (drafters already sort; ties keep the drafter's order)
         prob = torch.where(candidates.tokens[:, :L] >= 0, candidates.probs[:, :L].float(), 0.0)
         prob, order = prob.sort(dim=-1, descending=True, stable=True)
-        prob, tok = prob[..., :c], candidates.tokens[:, :L].gather(-1, order)[..., :c]
+        prob, tok = _np(prob[..., :c]), _np(candidates.tokens[:, :L].gather(-1, order)[..., :c])
 
     def expand(fb, fs, d, _slots):
-        return prob[fb, d], tok[fb, d], None
+        f = fb.numpy()
+        return prob[f, d], tok[f, d], None
 
     return grow(root, expand, caps, L, total_budget=total_budget, calibration=calibration)

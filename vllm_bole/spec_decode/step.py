@@ -44,18 +44,19 @@ def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequ
     the builder's per (depth, kind) factors (:class:`~vllm_bole.spec_decode.calibration.Calibration`).
     The trees carry the drafter's probability of every node (``draft_prob``)."""
     opts = dict(max_depth=max_depth, top_k=top_k, calibration=calibration)
-    if isinstance(drafter, TreeDrafter):  # drafted node by node: one search, cut to the chosen budgets
+    # with a controller: one search at ``budget``, cut to the chosen budgets (``Slots.prune``: the
+    # best-first trees of those budgets over the same expansions)
+    if isinstance(drafter, TreeDrafter):  # drafted node by node
         full = drafter.grow_trees(roots, histories, depths, budget, keys=keys, **opts)
         if controller is None:
             return full.tree(), None
-        choice = controller.choose(full.logrho, full.valid, kv_lens)
-        return full.prune(choice.budgets).tree(), choice
-    cands = drafter.propose(histories, depths, keys=keys)
-    if controller is None:
-        return best_first_tree(roots, cands, budget, **opts), None
-    full = best_first_slots(roots, cands, budget, **opts)
+    else:
+        cands = drafter.propose(histories, depths, keys=keys)
+        if controller is None:
+            return best_first_tree(roots, cands, budget, **opts), None
+        full = best_first_slots(roots, cands, budget, **opts)
     choice = controller.choose(full.logrho, full.valid, kv_lens)
-    return best_first_tree(roots, cands, choice.budgets, **opts), choice
+    return full.prune(choice.budgets).tree(), choice
 
 
 @dataclass
