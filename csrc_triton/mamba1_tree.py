@@ -63,7 +63,7 @@ def mamba1_tree_step_kernel(
     m = 0
     if HAS_PENDING:
         m = tl.load(plen + slot)
-    if HAS_TREE:
+    if HAS_TREE:  # tiles with the node axis last (fastest): the parent gather stays within warps
         bos = tl.load(cu_nodes + b)
         n = tl.load(cu_nodes + b + 1) - bos
         o_r = tl.arange(0, NP)
@@ -71,14 +71,14 @@ def mamba1_tree_step_kernel(
         rows = (bos + o_r).to(tl.int64)
         par = tl.load(parent + rows, mask=rm, other=-1)
         kend = tl.max(tl.load(depth + rows, mask=rm, other=0)) + 1
-        io = rows[:, None] * Dn + o_d[None, :]
-        im = rm[:, None] & dm[None, :]
-        dtn = tl.where(im, _dt_eff(tl.load(dt + io, mask=im, other=0.0), bias[None, :], HAS_DT_BIAS, DT_SOFTPLUS), 0.0)
+        io = rows[None, :] * Dn + o_d[:, None]  # [BD, NP]
+        im = dm[:, None] & rm[None, :]
+        dtn = tl.where(im, _dt_eff(tl.load(dt + io, mask=im, other=0.0), bias[:, None], HAS_DT_BIAS, DT_SOFTPLUS), 0.0)
         xn = tl.load(x + io, mask=im, other=0.0).to(tl.float32)
-        dx = dtn * xn  # [NP, BD]
-        gidx = tl.broadcast_to(tl.maximum(par, 0)[:, None, None], (NP, BD, BN))
-        root = (par < 0)[:, None, None]
-        out = tl.zeros([NP, BD], dtype=tl.float32)
+        dx = dtn * xn  # [BD, NP]
+        gidx = tl.broadcast_to(tl.maximum(par, 0)[None, None, :], (BD, BN, NP))
+        root = (par < 0)[None, None, :]
+        out = tl.zeros([BD, NP], dtype=tl.float32)
     for n0 in tl.static_range(0, N, BN):
         o_n = n0 + tl.arange(0, BN)
         nm = o_n < N
@@ -96,18 +96,18 @@ def mamba1_tree_step_kernel(
                     S = tl.exp(dtp[:, None] * A_t) * S + (dtp * xp)[:, None] * Bp[None, :]
                 tl.store(s_ptr, S.to(state.dtype.element_ty), mask=s_mask)
         if HAS_TREE:
-            cm = rm[:, None] & nm[None, :]
-            Bn = tl.load(Bm + rows[:, None] * N + o_n[None, :], mask=cm, other=0.0).to(tl.float32)  # [NP, BN]
-            Cn = tl.load(Cm + rows[:, None] * N + o_n[None, :], mask=cm, other=0.0).to(tl.float32)
-            dec = tl.exp(dtn[:, :, None] * A_t[None, :, :])  # [NP, BD, BN]
-            u = dx[:, :, None] * Bn[:, None, :]
-            H = tl.zeros([NP, BD, BN], dtype=tl.float32)
+            cm = nm[:, None] & rm[None, :]
+            Bn = tl.load(Bm + rows[None, :] * N + o_n[:, None], mask=cm, other=0.0).to(tl.float32)  # [BN, NP]
+            Cn = tl.load(Cm + rows[None, :] * N + o_n[:, None], mask=cm, other=0.0).to(tl.float32)
+            dec = tl.exp(dtn[:, None, :] * A_t[:, :, None])  # [BD, BN, NP]
+            u = dx[:, None, :] * Bn[None, :, :]
+            H = tl.zeros([BD, BN, NP], dtype=tl.float32)
             for _ in range(0, kend):
-                H = dec * tl.where(root, S[None, :, :], tl.gather(H, gidx, 0)) + u
-            out += tl.sum(Cn[:, None, :] * H, axis=2)
+                H = dec * tl.where(root, S[:, :, None], tl.gather(H, gidx, 2)) + u
+            out += tl.sum(Cn[None, :, :] * H, axis=1)
     if HAS_TREE:
         if HAS_D:
-            out += tl.load(D + o_d, mask=dm, other=0.0)[None, :] * xn
+            out += tl.load(D + o_d, mask=dm, other=0.0)[:, None] * xn
         if HAS_Z:
             zi = tl.load(z + io, mask=im, other=0.0).to(tl.float32)
             out = out * zi / (1.0 + tl.exp(-zi))
