@@ -152,7 +152,7 @@ def tile_sweep(c, state, timer):
 
     args = (*_args(c), state, c["slots_dev"], None, c["D"], None, c["dt_bias"], True)
     return {f"{t}/{w}": timer(lambda: launch(*args, tile=t, num_warps=w), rep=30)
-            for t in (1024, 2048, 4096, 8192) for w in (2, 4, 8)}
+            for t in (256, 512, 1024) for w in (1, 2, 4, 8)}
 
 
 def serial_setup(c, state, cfg):

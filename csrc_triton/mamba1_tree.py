@@ -1,24 +1,25 @@
 """Mamba1 (selective SSM) tree verification with the pending-path commit folded in (Triton).
 
-One program per (request, channel tile of BD channels); the state dimension goes in chunks of BN.
-For each chunk it loads its tile of the request's committed state h0 ([BD, BN] of ``state[slot]``,
-vLLM's mamba1 ``[Dn, N]`` layout addressed through strides, any float dtype, computed in fp32) and:
+One program per (request, channel tile of BD channels); the whole state row (BN = d_state rounded up
+to a power of two) stays in registers. It loads its tile of the request's committed state h0
+([BD, BN] of ``state[slot]``, vLLM's mamba1 ``[Dn, N]`` layout addressed through strides, any float
+dtype, computed in fp32) and:
 
 1. commit (``HAS_PENDING``): if the slot holds a pending accepted path of m > 0 tokens (their own
    inputs x, raw dt, B from the previous step), token by token,
        h <- exp(dt_j A) h + dt_j x_j B_j
    and writes it back in place (one write per step);
-2. verify (``HAS_TREE``): every node's state from its parent's, ONE exponential per (node, channel,
-   state): the request's nodes are one register tile ``H [NP, BD, BN]`` (NP = the batch's largest
-   tree, rounded up to a power of two), and
-       H <- exp(dt A) * gather(H, parent) + dt x B        (the root's parent: h0)
-   is applied max_depth + 1 times: after k applications every node of depth < k holds its exact
-   state, computed by exactly the sequential recurrence's operations (a level-synchronous pass;
-   ``tl.gather`` moves the parents' states). Then y_i += sum_n C_i[n] H_i[:, n] per chunk, and
-   ``y + D x``, ``y * silu(z)`` when the gate is given.
-The decay exp(A[d, n] dt_i[d]) depends on (channel, state), so there is no ``C . B`` low-rank form;
-per node this does what the serial recurrence does per token, once per node instead of once per
-(node, root-to-leaf path through it). Tiles: NP x BD x BN <= ``TILE`` elements.
+2. verify (``HAS_TREE``): for every leaf of the tree (a node without children: tested against the
+   request's parent vector), the same recurrence along its root-to-leaf path (``tree.path``) from
+   h0, writing y_i = C_i . h_i + D x_i (then ``y * silu(z)`` when the gate is given) of every node
+   on the path. A node on several paths is recomputed by each, with the same operations from the
+   same state, so every write of it holds the same value; no per-node state is kept.
+
+Why walks and not a closed form: the decay exp(A[d, n] dt) depends on (channel, state), so unlike SSD
+there is no ``C . B`` low-rank form, and every tree form measured on the H200 lost to walking the
+paths (``benchmarks/results/mamba1_tree*.json``): the closed form (every node summing over its
+ancestors, one exponential per ancestor) 4.6x slower than serial, a level-synchronous register tile
+(each node's state from its parent's through ``tl.gather``, depth + 1 sweeps) 1.8-2.1x slower.
 
 dt_eff = softplus(dt + dt_bias) (threshold 20) or dt + dt_bias. All arithmetic in fp32 (no tensor
 cores), so the interpreter is exact and 16-bit inputs lose nothing beyond their own rounding. API
@@ -28,8 +29,7 @@ reference: its ``reference.py``; the accepted-path stash: ``csrc_triton.pending_
 import triton
 import triton.language as tl
 
-TILE = 4096  # NP x BD x BN elements of one program's state tile
-BN = 16  # state elements per chunk (the shipped models' whole d_state)
+TILE = 1024  # BD x BN state elements of one program
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _dt_eff(dt, bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
 @triton.jit
 def mamba1_tree_step_kernel(
     x, dt, Bm, Cm, z, y,  # tree inputs [T, Dn] x2, [T, N] x2, gate [T, Dn]; y [T, Dn]
-    cu_nodes, parent, depth,  # [B + 1] int32; parent [T] int32 local (-1: the root); depth [T] int32
+    cu_nodes, parent, depth, path, W,  # [B + 1]; parent [T] local (-1: the root); depth [T]; path [T, W] int32
     A, D, dt_bias,  # [Dn, N] fp32; [Dn] fp32 (dummies when absent)
     state, state_idx, s_slot, s_d, s_n,  # state[slot, d, n] through strides; state_idx [B]
     px, pdt, pB, plen, L,  # pending path: [S, L, Dn], [S, L, Dn], [S, L, N], [S]
@@ -57,61 +57,51 @@ def mamba1_tree_step_kernel(
     slot = tl.load(state_idx + b).to(tl.int64)
     o_d = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = o_d < Dn
+    o_n = tl.arange(0, BN)
+    nm = o_n < N
+    s_mask = dm[:, None] & nm[None, :]
+    A_t = tl.load(A + o_d[:, None] * N + o_n[None, :], mask=s_mask, other=0.0)  # [BD, BN]
     bias = tl.zeros([BD], dtype=tl.float32)
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias + o_d, mask=dm, other=0.0)
-    m = 0
+    s_ptr = state + slot * s_slot + o_d[:, None] * s_d + o_n[None, :] * s_n
+    S = tl.load(s_ptr, mask=s_mask, other=0.0).to(tl.float32)  # [BD, BN]
+
     if HAS_PENDING:
         m = tl.load(plen + slot)
-    if HAS_TREE:  # tiles with the node axis last (fastest): the parent gather stays within warps
+        if m > 0:
+            for j in range(0, m):
+                prow = slot * L + j
+                dtp = _dt_eff(tl.load(pdt + prow * Dn + o_d, mask=dm, other=0.0), bias, HAS_DT_BIAS, DT_SOFTPLUS)
+                xp = tl.load(px + prow * Dn + o_d, mask=dm, other=0.0).to(tl.float32)
+                Bp = tl.load(pB + prow * N + o_n, mask=nm, other=0.0).to(tl.float32)
+                S = tl.exp(dtp[:, None] * A_t) * S + (dtp * xp)[:, None] * Bp[None, :]
+            tl.store(s_ptr, S.to(state.dtype.element_ty), mask=s_mask)
+
+    if HAS_TREE:
         bos = tl.load(cu_nodes + b)
         n = tl.load(cu_nodes + b + 1) - bos
         o_r = tl.arange(0, NP)
-        rm = o_r < n
-        rows = (bos + o_r).to(tl.int64)
-        par = tl.load(parent + rows, mask=rm, other=-1)
-        kend = tl.max(tl.load(depth + rows, mask=rm, other=0)) + 1
-        io = rows[None, :] * Dn + o_d[:, None]  # [BD, NP]
-        im = dm[:, None] & rm[None, :]
-        dtn = tl.where(im, _dt_eff(tl.load(dt + io, mask=im, other=0.0), bias[:, None], HAS_DT_BIAS, DT_SOFTPLUS), 0.0)
-        xn = tl.load(x + io, mask=im, other=0.0).to(tl.float32)
-        dx = dtn * xn  # [BD, NP]
-        gidx = tl.broadcast_to(tl.maximum(par, 0)[None, None, :], (BD, BN, NP))
-        root = (par < 0)[None, None, :]
-        out = tl.zeros([BD, NP], dtype=tl.float32)
-    for n0 in tl.static_range(0, N, BN):
-        o_n = n0 + tl.arange(0, BN)
-        nm = o_n < N
-        s_mask = dm[:, None] & nm[None, :]
-        A_t = tl.load(A + o_d[:, None] * N + o_n[None, :], mask=s_mask, other=0.0)  # [BD, BN]
-        s_ptr = state + slot * s_slot + o_d[:, None] * s_d + o_n[None, :] * s_n
-        S = tl.load(s_ptr, mask=s_mask, other=0.0).to(tl.float32)  # [BD, BN]
-        if HAS_PENDING:
-            if m > 0:
-                for j in range(0, m):
-                    prow = slot * L + j
-                    dtp = _dt_eff(tl.load(pdt + prow * Dn + o_d, mask=dm, other=0.0), bias, HAS_DT_BIAS, DT_SOFTPLUS)
-                    xp = tl.load(px + prow * Dn + o_d, mask=dm, other=0.0).to(tl.float32)
-                    Bp = tl.load(pB + prow * N + o_n, mask=nm, other=0.0).to(tl.float32)
-                    S = tl.exp(dtp[:, None] * A_t) * S + (dtp * xp)[:, None] * Bp[None, :]
-                tl.store(s_ptr, S.to(state.dtype.element_ty), mask=s_mask)
-        if HAS_TREE:
-            cm = nm[:, None] & rm[None, :]
-            Bn = tl.load(Bm + rows[None, :] * N + o_n[:, None], mask=cm, other=0.0).to(tl.float32)  # [BN, NP]
-            Cn = tl.load(Cm + rows[None, :] * N + o_n[:, None], mask=cm, other=0.0).to(tl.float32)
-            dec = tl.exp(dtn[:, None, :] * A_t[:, :, None])  # [BD, BN, NP]
-            u = dx[:, None, :] * Bn[None, :, :]
-            H = tl.zeros([BD, BN, NP], dtype=tl.float32)
-            for _ in range(0, kend):
-                H = dec * tl.where(root, S[:, :, None], tl.gather(H, gidx, 2)) + u
-            out += tl.sum(Cn[None, :, :] * H, axis=1)
-    if HAS_TREE:
+        par = tl.load(parent + bos + o_r, mask=o_r < n, other=-1)
+        D_t = tl.zeros([BD], dtype=tl.float32)
         if HAS_D:
-            out += tl.load(D + o_d, mask=dm, other=0.0)[:, None] * xn
-        if HAS_Z:
-            zi = tl.load(z + io, mask=im, other=0.0).to(tl.float32)
-            out = out * zi / (1.0 + tl.exp(-zi))
-        tl.store(y + io, out.to(y.dtype.element_ty), mask=im)
+            D_t = tl.load(D + o_d, mask=dm, other=0.0)
+        for leaf in range(0, n):
+            if tl.sum((par == leaf).to(tl.int32)) == 0:
+                lrow = (bos + leaf).to(tl.int64)
+                h = S
+                for k in range(0, tl.load(depth + lrow) + 1):  # the root-to-leaf path, root first
+                    i = bos + tl.load(path + lrow * W + k).to(tl.int64)
+                    d = _dt_eff(tl.load(dt + i * Dn + o_d, mask=dm, other=0.0), bias, HAS_DT_BIAS, DT_SOFTPLUS)
+                    xi = tl.load(x + i * Dn + o_d, mask=dm, other=0.0).to(tl.float32)
+                    Bi = tl.load(Bm + i * N + o_n, mask=nm, other=0.0).to(tl.float32)
+                    Ci = tl.load(Cm + i * N + o_n, mask=nm, other=0.0).to(tl.float32)
+                    h = tl.exp(d[:, None] * A_t) * h + (d * xi)[:, None] * Bi[None, :]
+                    out = tl.sum(h * Ci[None, :], axis=1) + D_t * xi
+                    if HAS_Z:
+                        zi = tl.load(z + i * Dn + o_d, mask=dm, other=0.0).to(tl.float32)
+                        out = out * zi / (1.0 + tl.exp(-zi))
+                    tl.store(y + i * Dn + o_d, out.to(y.dtype.element_ty), mask=dm)
 
 
 def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out=None, *,
@@ -119,15 +109,16 @@ def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_b
     """Launch ``mamba1_tree_step_kernel``; arguments as ``vllm_bole.mamba.mamba1_tree.mamba1_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone. Returns y [T, Dn]
-    in x's dtype (``out`` if given; None without a tree). Tiles: NP = the largest tree rounded up to
-    a power of two (>= 2), BN = 16 state elements, BD = tile / (NP x BN) channels (>= 1).
+    in x's dtype (``out`` if given; None without a tree). Tiles: BN = d_state rounded up to a power of
+    two (>= 2), BD = tile / BN channels (1..64), NP = the largest tree rounded up (the parent vector).
     """
     import torch
 
     Dn, N = state.shape[1:]
     nB = state_idx.numel()
+    BN = max(2, triton.next_power_of_2(N))
+    BD = max(1, min(64, tile // BN, triton.next_power_of_2(Dn)))
     NP = max(2, triton.next_power_of_2(tree.max_nodes)) if tree is not None else 2
-    BD = max(1, min(64, tile // (NP * BN), triton.next_power_of_2(Dn)))
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     A = f32(A)
     if tree is not None:
@@ -136,10 +127,12 @@ def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_b
         if out is None:
             out = torch.empty_like(x)
         assert out.is_contiguous(), "out must be contiguous"
-        tree_args = (x, dt, B, C, z if z is not None else x, out, tree.cu_nodes, tree.parent, tree.depth)
+        path = tree.path.contiguous()
+        tree_args = (x, dt, B, C, z if z is not None else x, out, tree.cu_nodes, tree.parent, tree.depth, path,
+                     path.shape[1])
     else:
         out = None
-        tree_args = (state, state, state, state, state, state, state_idx, state_idx, state_idx)
+        tree_args = (state, state, state, state, state, state, state_idx, state_idx, state_idx, state_idx, 0)
     if pending is not None:
         pend_args = (pending.x, pending.dt, pending.B, pending.length, pending.max_len)
     else:

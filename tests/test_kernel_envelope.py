@@ -214,8 +214,8 @@ def _mamba1_case(tree, kernels, Dn=24, N=16, dtype=torch.float32, state_dtype=to
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", ["N65", "N256", "chain64", "ragged"])
 def test_mamba1_boundary_trees(kernels, name):
-    """The Mamba1 kernel's node tile is the largest tree rounded up to a power of two, iterated to the
-    deepest node: the largest tree, the deepest chain, a ragged batch with root-only requests."""
+    """The Mamba1 kernel walks every root-to-leaf path (leaves found in the parent vector of the
+    largest tree): the largest tree, the deepest chain, a ragged batch with root-only requests."""
     e_out, e_state = _mamba1_case(_tree(name), kernels, seed=len(name))
     assert e_out < TOL and e_state < TOL
 

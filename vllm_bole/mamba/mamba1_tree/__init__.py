@@ -24,10 +24,9 @@ with ``s_i[d]`` = dt_eff summed over the root-to-i path,
   h_i[d, n] = exp(A[d, n] s_i[d]) h0[d, n] + sum_{j in anc*(i)} exp(A[d, n] (s_i[d] - s_j[d])) dt_j[d] x_j[d] B_j[n]
   y_i[d]    = sum_n C_i[n] h_i[d, n] + D[d] x_i[d]
 every node from the committed state and its at most ``depth + 1`` ancestors, no per-node state:
-the torch twin's form (dense per request). The Triton kernel instead keeps every node's state of a
-channel tile in registers and applies ``H <- exp(dt A) * H[parent] + dt x B`` depth + 1 times (one
-exponential per node, channel and state, as the sequential recurrence: the closed form's
-``depth + 1`` per node made it slower than the serial baseline on the H200).
+the torch twin's form (dense per request). The Triton kernel instead walks every root-to-leaf
+path with the sequential recurrence from the committed state (shared prefixes recomputed, no
+per-node state): on the H200 every tree form measured lost to that (kernel docstring).
 
 Factors and commit, as Mamba2 (``vllm_bole.mamba.ssd_tree``): after sampling,
 ``stash_accepted_path`` copies the accepted path's own inputs (x, raw dt, B: at most depth + 1
