@@ -30,6 +30,9 @@ import triton
 import triton.language as tl
 
 TILE = 1024  # BD x BN state elements of one program
+# one warp per program: the H200 sweep at B = 32, N = 64 (Jamba shapes, verification alone): 1 warp
+# 0.54 ms, 2 warps 0.60, 4 warps 0.78 (fewer, fatter programs lose; mamba1_tree.json at 9b08516)
+NUM_WARPS = 1
 
 
 @triton.jit
@@ -105,7 +108,7 @@ def mamba1_tree_step_kernel(
 
 
 def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out=None, *,
-                     tile=TILE, num_warps=4):
+                     tile=TILE, num_warps=NUM_WARPS):
     """Launch ``mamba1_tree_step_kernel``; arguments as ``vllm_bole.mamba.mamba1_tree.mamba1_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone. Returns y [T, Dn]
