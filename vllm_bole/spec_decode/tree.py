@@ -27,6 +27,7 @@ keeps the requests the scheduler sends back, truncated to the drafts it kept, wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -55,6 +56,7 @@ class TreeBatch:
     node_kind: torch.Tensor | None = None  # [T] int64 ``calibration.KINDS`` index of each node, if the builder knew it
 
     # ------------------------------------------------------------------ derived views
+    # (tensor views computed once per object: a step reads them many times; never modify them in place)
     @property
     def num_requests(self) -> int:
         return self.cu_nodes.numel() - 1
@@ -67,26 +69,26 @@ class TreeBatch:
     def max_depth(self) -> int:
         return self.path.shape[1] - 1
 
-    @property
+    @functools.cached_property
     def nodes_per_request(self) -> torch.Tensor:
         """[B] int32: tree size of each request (root included)."""
         return self.cu_nodes[1:] - self.cu_nodes[:-1]
 
-    @property
+    @functools.cached_property
     def request_index(self) -> torch.Tensor:
         """[T] int64: the request each flat node belongs to."""
         return torch.repeat_interleave(  # output_size: no device sync
             torch.arange(self.num_requests, device=self.cu_nodes.device), self.nodes_per_request.long(),
             output_size=self.num_nodes)
 
-    @property
+    @functools.cached_property
     def parent_flat(self) -> torch.Tensor:
         """[T] int64: flat index of each node's parent, -1 for roots."""
         start = self.cu_nodes[:-1].long()[self.request_index]
         p = self.parent.long()
         return torch.where(p >= 0, p + start, p)
 
-    @property
+    @functools.cached_property
     def path_flat(self) -> torch.Tensor:
         """[T, max_depth + 1] int64: ``path`` in flat indices (-1 stays -1)."""
         start = self.cu_nodes[:-1].long()[self.request_index][:, None]
