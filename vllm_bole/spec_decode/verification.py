@@ -90,8 +90,11 @@ class VerificationResult:
         return self.num_emitted - 1
 
     def to(self, device) -> "VerificationResult":
-        return VerificationResult(*(getattr(self, f).to(device) for f in
-                                    ("output_token_ids", "num_emitted", "accepted_nodes", "last_node")))
+        """On ``device``, in ONE copy (packed: a device-to-host copy is a stream sync each)."""
+        W = self.output_token_ids.shape[1]
+        packed = torch.cat([self.output_token_ids, self.num_emitted[:, None], self.accepted_nodes,
+                            self.last_node[:, None]], 1).to(device)
+        return VerificationResult(packed[:, :W], packed[:, W], packed[:, W + 1: 2 * W + 1], packed[:, 2 * W + 1])
 
     def tokens(self, r: int) -> list[int]:
         return self.output_token_ids[r, : int(self.num_emitted[r])].tolist()
