@@ -11,6 +11,9 @@ side by side in the operation's package, whose ``__init__`` is the public API an
   tree_attention.py    vllm_bole.attention.tree_attention   attention/tree_attention/{naive,reference}.py
   kv_compaction.py     vllm_bole.attention.kv_compaction    attention/kv_compaction/{naive,reference}.py
   pending_stash.py     vllm_bole.pending                    (the stash's torch twin is inline there)
+  mamba1_tree.py       vllm_bole.mamba.mamba1_tree          mamba/mamba1_tree/{naive,reference}.py
+  greedy_walk.py       vllm_bole.spec_decode.verification   verify_greedy's twin _descend_by_choice (the
+                                                            oracle: plain greedy decoding, tests)
 
 ``tiles.py`` holds the tile helpers the recurrent kernels share (mm, ancestor-mask tiles, the
 nilpotent inverse).

@@ -578,3 +578,44 @@ def test_runtime_path_draft_select_verify_equals_the_list_path():
         if r >= 0:
             assert res.tokens(i) == target.greedy(hists[r], int(res.num_emitted[i]))
     assert int(res.num_accepted[3]) == 0  # a placeholder is never accepted
+
+
+# ------------------------------------------------------------------ greedy walk kernel (Triton)
+def _choices_down_the_tree(tree: TreeBatch, vocab: int, g: torch.Generator, follow=0.85) -> torch.Tensor:
+    """Per node: with probability ``follow`` the token of a random child (deep accepted paths), else random."""
+    choice = torch.randint(0, vocab, (tree.num_nodes,), generator=g)
+    pf = tree.parent_flat.tolist()
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(pf):
+        if p >= 0:
+            kids.setdefault(p, []).append(i)
+    for p, ks in kids.items():
+        if float(torch.rand((), generator=g)) < follow:
+            choice[p] = tree.token_ids[ks[int(torch.randint(0, len(ks), (), generator=g))]]
+    return choice
+
+
+def test_greedy_walk_kernel_equals_twin_over_the_envelope():
+    """One Triton launch (interpreter) against the vectorised torch twin: 256-node trees, 64-deep
+    chains, stars, ragged batches with root-only requests, and siblings sharing a token (the FIRST
+    matching child is taken)."""
+    from csrc_triton.greedy_walk import greedy_walk
+    from vllm_bole.testing.oracles import random_tree_batch
+
+    g = torch.Generator().manual_seed(0)
+    trees = [random_tree_batch(sizes, kind=kind, generator=g, token_vocab=300)
+             for sizes, kind in [([256], "random"), ([65], "chain"), ([256], "star"), ([1, 1, 1], "random"),
+                                 ([40, 1, 200, 65], ["deep", "random", "wide", "chain"])]]
+    dup = random_tree_batch([60, 30, 1], kind="wide", generator=g)
+    trees.append(TreeBatch.from_parents([dup.request(r)[0] for r in range(3)],
+                                        [torch.randint(0, 3, (n,), generator=g).tolist() for n in (60, 30, 1)]))
+    for tree in trees:
+        for follow in (0.85, 1.0, 0.0):  # 1.0: every path accepted to its leaf (the 64-deep chain whole)
+            choice = _choices_down_the_tree(tree, 300, g, follow)
+            want = ver._descend_by_choice(tree, choice)
+            got = ver.VerificationResult(*greedy_walk(tree, choice))
+            for f in ("output_token_ids", "num_emitted", "accepted_nodes", "last_node"):
+                assert torch.equal(getattr(got, f), getattr(want, f)), f
+    logits = torch.randn(trees[-1].num_nodes, 7, generator=g)
+    a, b = verify_greedy(trees[-1], logits, kernels="triton"), verify_greedy(trees[-1], logits, kernels="torch")
+    assert torch.equal(a.output_token_ids, b.output_token_ids) and torch.equal(a.accepted_nodes, b.accepted_nodes)

@@ -366,7 +366,8 @@ class TreeRunnerMixin:
         t0 = time.perf_counter()
         params = [self.requests[rid].sampling_params for rid in step.req_ids]
         res = verify_tree(tree, constrain(self.input_batch, step, tlogits.float(), params),
-                          tree_sampling(params, [self.input_batch.generators.get(r) for r in step.rows]))
+                          tree_sampling(params, [self.input_batch.generators.get(r) for r in step.rows]),
+                          kernels=step.kernels)
         transient = sum(layer.saved_bytes() for layers in self._bole_recurrent.values() for layer in layers)
         commit(self._bole_attention + [layer for layers in self._bole_recurrent.values() for layer in layers], tree, res)
         for r, rid in enumerate(step.req_ids if step.state_slots else ()):

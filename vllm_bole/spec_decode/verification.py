@@ -61,6 +61,7 @@ from typing import Sequence, Union
 
 import torch
 
+from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.sampling import SAMPLING_EPS, per_row, sample_rows, target_probs
 from vllm_bole.spec_decode.tree import TreeBatch
 
@@ -206,10 +207,16 @@ def _descend_by_choice(tree: TreeBatch, choice: torch.Tensor) -> VerificationRes
     return _result_from_leaf(tree, leaf, choice[leaf])
 
 
-def verify_greedy(tree: TreeBatch, target_logits: torch.Tensor) -> VerificationResult:
-    """Greedy verification (equals plain greedy decoding); no loop, no host sync beyond setup."""
+def verify_greedy(tree: TreeBatch, target_logits: torch.Tensor, *, kernels: str = "auto") -> VerificationResult:
+    """Greedy verification (equals plain greedy decoding), no host sync: one Triton launch
+    (``csrc_triton.greedy_walk``) or its torch twin (:func:`_descend_by_choice`)."""
     _check_logits(tree, target_logits)
-    return _descend_by_choice(tree, target_logits.argmax(-1))
+    choice = target_logits.argmax(-1)
+    if use_triton(kernels, choice):
+        from csrc_triton.greedy_walk import greedy_walk
+
+        return VerificationResult(*greedy_walk(tree, choice))
+    return _descend_by_choice(tree, choice)
 
 
 # -------------------------------------------------------------------------------- stochastic
