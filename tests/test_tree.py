@@ -187,3 +187,17 @@ def test_draft_token_ids_and_first_child_depth(seed):
     tb = TreeBatch.from_parents(parents, tokens)
     assert tb.draft_token_ids() == [t[1:] for t in tokens]
     assert tb.first_child_depth().tolist() == [_chain_len(p, t) for p, t in zip(parents, tokens)]
+
+
+def test_pack_unpack_round_trip():
+    """``transfer.upload_many``'s packing (its CUDA path: one staging buffer, 8-byte aligned views):
+    every dtype, shape and empty tensor comes back equal."""
+    from vllm_bole.transfer import pack, unpack
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(-9, 9, (5, 3), generator=g), torch.randint(0, 9, (7,), generator=g).int(), torch.rand(3, 2),
+          torch.zeros(0, 4, dtype=torch.int64), torch.rand(4) > 0.5, torch.randint(0, 9, (3,), generator=g).short()[::2]]
+    buf, spans = pack(ts)
+    assert buf.dtype == torch.uint8 and all(o % 8 == 0 for o, _ in spans)
+    for a, b in zip(ts, unpack(buf, ts, spans)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -4,13 +4,14 @@
 host stalls until every kernel queued before it has run, and the next launches start late. The H200
 profile of a tree step showed 24 such copies per step (tree metadata, block tables, draft inputs).
 :func:`upload` stages through pinned memory and copies asynchronously instead (PyTorch's caching
-host allocator keeps the staging block alive until the copy has run).
+host allocator keeps the staging block alive until the copy has run); :func:`upload_many` packs
+several tensors into one staging buffer, so a step's tree metadata crosses in one copy.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["upload"]
+__all__ = ["upload", "upload_many"]
 
 
 def upload(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -21,3 +22,30 @@ def upload(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.T
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device) if dtype is None else t.to(device, dtype)
+
+
+def upload_many(tensors, device) -> list:
+    """Host tensors on ``device``: on CUDA packed into ONE pinned staging buffer and copied once (the
+    results are views of that copy, each 8-byte aligned); elsewhere ``Tensor.to``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
+    buf, spans = pack(tensors)
+    return unpack(upload(buf, device), tensors, spans)
+
+
+def pack(tensors) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """(uint8 buffer, (offset, bytes) per tensor): the tensors' bytes, each padded to 8 bytes."""
+    parts, spans, off = [], [], 0
+    for t in tensors:
+        b = t.contiguous().reshape(-1).view(torch.uint8)
+        pad = -b.numel() % 8
+        parts += [b, torch.zeros(pad, dtype=torch.uint8)]
+        spans.append((off, b.numel()))
+        off += b.numel() + pad
+    return torch.cat(parts), spans
+
+
+def unpack(buf: torch.Tensor, like, spans) -> list:
+    """Views of ``buf`` with the dtypes and shapes of ``like`` (:func:`pack`'s inverse)."""
+    return [buf[o: o + n].view(t.dtype).view(t.shape) for t, (o, n) in zip(like, spans)]

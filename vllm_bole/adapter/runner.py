@@ -56,7 +56,7 @@ from vllm_bole.spec_decode.paged_draft import PagedDraftModel
 from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
 from vllm_bole.spec_decode.step import commit, draft_trees, verify_tree
 from vllm_bole.spec_decode.tree import MAX_DEPTH
-from vllm_bole.transfer import upload
+from vllm_bole.transfer import upload, upload_many
 
 logger = logging.getLogger("vllm_bole")
 NGRAM_WINDOW = 4096  # context tokens the n-gram drafter searches (the most recent)
@@ -487,10 +487,13 @@ class TreeRunnerMixin:
         chain = tree.first_child_depth().tolist()
         host_tree, tree = tree, tree.to(dev)
         prefix_np = ib.num_computed_tokens_cpu[rows].astype(np.int64)
-        prefix = upload(torch.from_numpy(prefix_np), dev)
-        block_tables = {g.group: upload(ib.block_table[g.group].block_table.cpu[rows], dev) for g in self._bole_attention}
-        state_slots = {gid: upload(ib.block_table[gid].block_table.cpu[rows, 0], dev, torch.long)
-                       for gid in self._bole_recurrent}
+        # the step's per-request tables in one host-to-device copy
+        groups = [g.group for g in self._bole_attention]
+        prefix, *tables = upload_many(
+            [torch.from_numpy(prefix_np)] + [ib.block_table[g].block_table.cpu[rows] for g in groups]
+            + [ib.block_table[gid].block_table.cpu[rows, 0].long() for gid in self._bole_recurrent], dev)
+        block_tables = dict(zip(groups, tables))
+        state_slots = dict(zip(self._bole_recurrent, tables[len(groups):]))
         return TreeStep(num_plain=P, tok_start=int(self.query_start_loc.cpu[P]), tree=tree, host_tree=host_tree,
                         prefix_len=prefix,
                         req_ids=[ib.req_ids[i] for i in rows], rows=rows, block_tables=block_tables,

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_bole.transfer import upload
+from vllm_bole.transfer import upload_many
 
 MAX_DEPTH = 64
 MAX_NODES = 256
@@ -101,8 +101,13 @@ class TreeBatch:
         return ((word >> (j % 32)) & 1).bool()
 
     def to(self, device) -> "TreeBatch":
+        """On ``device`` (from the host: every tensor in one copy, ``transfer.upload_many``)."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TreeBatch(**{n: upload(x, device) if isinstance(x, torch.Tensor) else x for n, x in moved.items()})
+        tensors = {n: x for n, x in moved.items() if isinstance(x, torch.Tensor)}
+        host = [n for n, x in tensors.items() if x.device.type == "cpu"]
+        moved.update({n: x.to(device) for n, x in tensors.items() if n not in host})
+        moved.update(zip(host, upload_many([tensors[n] for n in host], device)))
+        return TreeBatch(**moved)
 
     def root_path(self, r: int, node: int) -> list[int]:
         """Local indices of the path root .. ``node`` of request ``r`` (tests, debugging)."""
