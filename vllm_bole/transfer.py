@@ -29,7 +29,7 @@ def upload_many(tensors, device) -> list:
     results are views of that copy, each 8-byte aligned); elsewhere ``Tensor.to``."""
     device = torch.device(device)
     if device.type != "cuda":
-        return [t.to(device) for t in tensors]
+        return [t if t.device == device else t.to(device) for t in tensors]
     buf, spans = pack(tensors)
     return unpack(upload(buf, device), tensors, spans)
 

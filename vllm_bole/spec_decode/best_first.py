@@ -71,12 +71,12 @@ class Slots:
     def tree(self) -> TreeBatch:
         """The kept nodes as a :class:`TreeBatch` on the slots' device, built directly from the
         search state (valid slots form breadth-first prefixes; depths and parents known)."""
-        v = self.valid.cpu().numpy()
+        v = _np(self.valid)
         counts = v.sum(1)
         cu = np.zeros(counts.size + 1, np.int64)
         cu[1:] = np.cumsum(counts)
         flat = v.reshape(-1)
-        field = lambda name: getattr(self, name).cpu().numpy().reshape(-1)[flat]  # noqa: E731
+        field = lambda name: _np(getattr(self, name)).reshape(-1)[flat]  # noqa: E731
         parent, depth = field("parent"), field("depth")
         T = parent.size
         req = np.repeat(np.arange(counts.size), counts)
@@ -166,7 +166,7 @@ _FIELDS = ("valid", "token", "parent", "depth", "logrho", "qprob", "row", "nid",
 
 def _as_slots(a: dict, device) -> Slots:
     """numpy search state -> :class:`Slots` (torch; zero-copy on the CPU)."""
-    return Slots(**{k: torch.from_numpy(a[k]).to(device) for k in _FIELDS})
+    return Slots(**{k: _to(torch.from_numpy(a[k]), device) for k in _FIELDS})
 
 
 class _SlotsView:
@@ -179,13 +179,23 @@ class _SlotsView:
     def __getattr__(self, name):
         if name not in _FIELDS:
             raise AttributeError(name)
-        value = torch.from_numpy(self._a[name]).to(self._device)
+        value = _to(torch.from_numpy(self._a[name]), self._device)
         setattr(self, name, value)
         return value
 
 
 def _np(x) -> np.ndarray:
-    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    """numpy view (host tensors: no torch operation dispatched; the search is host work per step)."""
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    if x.requires_grad:
+        x = x.detach()
+    return (x if x.device.type == "cpu" else x.cpu()).numpy()
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device``, without a dispatched no-op ``to`` for the host."""
+    return t if torch.device(device).type == "cpu" else t.to(device)
 
 
 def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int, *,
