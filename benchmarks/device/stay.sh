@@ -109,7 +109,7 @@ stage_cost() {  # issue 15 item 3: one target step at Nemotron-H-8B shapes (dumm
     grep -v '^ \|^(' "$OUT/e2e_cost.log" | tail -30 | cut -c1-200
 }
 
-stage_kernels() {  # the Mamba1 tree kernel (issue 19), never timed yet
+stage_kernels() {  # the Mamba1 tree kernel (issue 19): bench_mamba1_tree.py, ~100 s, no vLLM needed
     timeout 400 python3 benchmarks/bench_mamba1_tree.py > "$OUT/mamba1_tree.log" 2>&1
     tail -14 "$OUT/mamba1_tree.log" | cut -c1-200
 }
