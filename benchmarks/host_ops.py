@@ -8,7 +8,9 @@ so this count is the CPU-side regression signal for the step's host cost.
     python benchmarks/host_ops.py [--model DIR] [--drafter ngram|DIR] [--out benchmarks/results]
 
 Phases: ``prepare`` (vLLM's input preparation and the tree step's: trees selected, moved, positions),
-``forward`` (the target forward: only the operations outside vLLM's custom ops are seen),
+``forward`` (the target forward outside vLLM's custom ops), ``overrides`` (the layer objects' tree
+forms inside them, with their glue; on CPU the kernels' torch twins, which the GPU replaces by one
+Triton launch each: the interpreter's launches would count its own copies instead),
 ``verify_commit`` (sampling constraints, verification, commit, bookkeeping), ``draft`` (drafting and
 the best-first trees). Writes ``host_ops.json``: per phase operations per tree step and the top
 source lines.
@@ -24,6 +26,7 @@ from pathlib import Path
 
 PHASES = (("_prepare_inputs", "prepare"), ("_model_forward", "forward"), ("_sample", "verify_commit"),
           ("_bole_propose", "draft"))
+LAYER_PHASE = "overrides"
 
 
 def main() -> None:
@@ -84,17 +87,42 @@ def main() -> None:
                     cnt.phase = prev
             setattr(runner, name, wrapped)
 
+        # the layer overrides run inside vLLM's custom ops, which hide their operations from the mode
+        # above: re-enter it there (the tree forms and their glue, per tree step)
+        def counted(f):
+            def g(*a, **k):
+                from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+                prev, cnt.phase = cnt.phase, LAYER_PHASE
+                try:
+                    if _get_current_dispatch_mode() is cnt or prev is None:
+                        return f(*a, **k)
+                    with cnt:
+                        return f(*a, **k)
+                finally:
+                    cnt.phase = prev
+            return g
+
+        for group in runner._bole_attention:
+            for layer in group.layers:
+                layer.module.impl.forward = counted(layer.module.impl.forward)
+        for layers in runner._bole_recurrent.values():
+            for layer in layers:
+                name = "_tree_core" if hasattr(layer, "_tree_core") else "_tree_forward"
+                setattr(layer, name, counted(getattr(layer, name)))
+
     llm.collective_rpc(install)
     st0 = llm.collective_rpc("bole_stats")[0]
     with cnt:
         llm.generate(prompts, sp, use_tqdm=False)
     st = llm.collective_rpc("bole_stats")[0]
     steps, tree_steps = st["steps"] - st0["steps"], st["tree_steps"] - st0["tree_steps"]
+    phases = [p for _, p in PHASES] + [LAYER_PHASE]
     result = dict(model=model, drafter=args.drafter, budget=budget, batch=args.batch, tokens=args.tokens,
                   steps=steps, tree_steps=tree_steps, commit=os.environ.get("BOLE_COMMIT", "unknown"),
-                  ops_per_tree_step={p: round(n / max(tree_steps, 1), 1) for _, p in PHASES for n in [cnt.ops[p]]},
+                  ops_per_tree_step={p: round(cnt.ops[p] / max(tree_steps, 1), 1) for p in phases},
                   top_lines={p: [[k, round(v / max(tree_steps, 1), 1)] for k, v in cnt.where[p].most_common(15)]
-                             for _, p in PHASES})
+                             for p in phases})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host_ops.json").write_text(json.dumps(result, indent=1))
