@@ -155,6 +155,20 @@ def tile_sweep(c, state, timer):
             for t in (256, 512, 1024) for w in (1, 2, 4, 8)}
 
 
+def groups_sweep(c, state, pending, timer):
+    """The whole step (stash + commit + verify) with each request's leaves split over G programs
+    ({G: ms}; G > 1 commits in its own launch first): the data for ``path_groups`` at small batches."""
+    from csrc_triton.mamba1_tree import mamba1_tree_step as launch
+
+    slots = c["slots_dev"]
+
+    def step(G):
+        stash_accepted_path(pending, slots, c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"], kernels="triton")
+        return launch(*_args(c), state, slots, pending, c["D"], None, c["dt_bias"], True, path_groups=G)
+
+    return {G: timer(lambda: step(G)) for G in (1, 2, 4, 8, 16)}
+
+
 def serial_setup(c, state, cfg):
     Dn, Nst = cfg
     dev = state.device
@@ -298,8 +312,9 @@ def main():
                 fl, bytes_ = floor_ms(B, N, c["m_mean"], cfg, ceil)
                 ours_transient = B * c["P"] * input_row_bytes(cfg, with_c=False)
                 tiles = tile_sweep(c, state, timer) if (B, N) == (32, 64) and not smoke else {}
+                groups = groups_sweep(c, state, pending, timer) if B <= 8 else {}
                 rows.append(dict(
-                    config=name, B=B, N=N, ours_ms=ours, ours_verify_tiles_ms=tiles, serial_ms=serial, per_node_ms=per_node, floor_ms=fl,
+                    config=name, B=B, N=N, ours_ms=ours, ours_verify_tiles_ms=tiles, ours_path_groups_ms=groups, serial_ms=serial, per_node_ms=per_node, floor_ms=fl,
                     ours_transient_bytes=ours_transient, per_node_transient_bytes=pn_bytes,
                     ours_verify_only_ms=verify_only, floor_bytes=bytes_, mean_accepted_path=c["m_mean"],
                     max_depth=c["tree"].max_depth, serial_path_tokens=serial_tokens, channels=Dn, d_state=Nst))

@@ -52,7 +52,7 @@ def mamba1_tree_step_kernel(
     A, D, dt_bias,  # [Dn, N] fp32; [Dn] fp32 (dummies when absent)
     state, state_idx, s_slot, s_d, s_n,  # state[slot, d, n] through strides; state_idx [B]
     px, pdt, pB, plen, L,  # pending path: [S, L, Dn], [S, L, Dn], [S, L, N], [S]
-    Dn, N: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    Dn, N: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
     HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
 ):
@@ -89,12 +89,17 @@ def mamba1_tree_step_kernel(
         D_t = tl.zeros([BD], dtype=tl.float32)
         if HAS_D:
             D_t = tl.load(D + o_d, mask=dm, other=0.0)
+        g = tl.program_id(2)
+        k = 0  # leaves seen: this program walks the leaves k = g, g + G, ...
         for leaf in range(0, n):
-            if tl.sum((par == leaf).to(tl.int32)) == 0:
+            is_leaf = tl.sum((par == leaf).to(tl.int32)) == 0
+            mine = is_leaf & (k % G == g)
+            k += is_leaf.to(tl.int32)
+            if mine:
                 lrow = (bos + leaf).to(tl.int64)
                 h = S
-                for k in range(0, tl.load(depth + lrow) + 1):  # the root-to-leaf path, root first
-                    i = bos + tl.load(path + lrow * W + k).to(tl.int64)
+                for t in range(0, tl.load(depth + lrow) + 1):  # the root-to-leaf path, root first
+                    i = bos + tl.load(path + lrow * W + t).to(tl.int64)
                     d = _dt_eff(tl.load(dt + i * Dn + o_d, mask=dm, other=0.0), bias, HAS_DT_BIAS, DT_SOFTPLUS)
                     xi = tl.load(x + i * Dn + o_d, mask=dm, other=0.0).to(tl.float32)
                     Bi = tl.load(Bm + i * N + o_n, mask=nm, other=0.0).to(tl.float32)
@@ -108,12 +113,16 @@ def mamba1_tree_step_kernel(
 
 
 def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out=None, *,
-                     tile=TILE, num_warps=NUM_WARPS):
+                     tile=TILE, num_warps=NUM_WARPS, path_groups=1):
     """Launch ``mamba1_tree_step_kernel``; arguments as ``vllm_bole.mamba.mamba1_tree.mamba1_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone. Returns y [T, Dn]
     in x's dtype (``out`` if given; None without a tree). Tiles: BN = d_state rounded up to a power of
     two (>= 2), BD = tile / BN channels (1..64), NP = the largest tree rounded up (the parent vector).
+    ``path_groups`` G > 1 splits each request's leaves over G programs (shorter serial chains for
+    small batches, where B x channel tiles programs leave the GPU idle); the pending commit then runs
+    as its own launch first (the programs of a request must all read the committed state). Default 1:
+    the H200 sweep at B = 1 (``benchmarks/bench_mamba1_tree.py``) decides whether to change it.
     """
     import torch
 
@@ -136,16 +145,21 @@ def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_b
     else:
         out = None
         tree_args = (state, state, state, state, state, state, state_idx, state_idx, state_idx, state_idx, 0)
+    if pending is not None and tree is not None and path_groups > 1:
+        mamba1_tree_step(None, None, A, None, None, None, state, state_idx, pending, D, None, dt_bias, dt_softplus,
+                         tile=tile, num_warps=num_warps)
+        pending = None
     if pending is not None:
         pend_args = (pending.x, pending.dt, pending.B, pending.length, pending.max_len)
     else:
         pend_args = (state, state, state, state_idx, 0)
-    mamba1_tree_step_kernel[(nB, triton.cdiv(Dn, BD))](
+    G = path_groups if tree is not None else 1
+    mamba1_tree_step_kernel[(nB, triton.cdiv(Dn, BD), G)](
         *tree_args,
         A, f32(D) if D is not None else A, f32(dt_bias) if dt_bias is not None else A,
         state, state_idx, *state.stride(),
         *pend_args,
-        Dn, N=N, NP=NP, BD=BD, BN=BN,
+        Dn, N=N, NP=NP, BD=BD, BN=BN, G=G,
         HAS_TREE=tree is not None, HAS_PENDING=pending is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), num_warps=num_warps,
     )

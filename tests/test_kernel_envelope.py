@@ -260,6 +260,33 @@ def test_mamba1_step_commits_then_verifies():
         assert rel_err(y, want) < TOL and int(pending.length[slots.long()].sum()) == 0
 
 
+def test_mamba1_path_groups_equal_one_program_per_request():
+    """The kernel's leaves split over G programs per request (small batches): the same outputs and
+    committed states bit for bit, the pending commit first in its own launch."""
+    from csrc_triton.mamba1_tree import mamba1_tree_step as launch
+
+    gen = torch.Generator().manual_seed(12)
+    first, second = _tree("ragged"), _tree("ragged")
+    Dn, N = 24, 16
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    A, D, bias = -(torch.rand(Dn, N, generator=gen) + 0.1), r(Dn), r(Dn) * 0.3
+    x0, dt0, B0 = r(first.num_nodes, Dn), r(first.num_nodes, Dn), r(first.num_nodes, N) * 0.3
+    x, dt, Bm, Cm, z = r(second.num_nodes, Dn), r(second.num_nodes, Dn), r(second.num_nodes, N) * 0.3, \
+        r(second.num_nodes, N) * 0.3, r(second.num_nodes, Dn)
+    state0, slots, _ = _slot_cache(second.num_requests, (Dn, N), torch.float32, gen)
+    acc, _ = deepest_accepted_paths(first)
+    results = []
+    for G in (1, 2, 3, 8):
+        state = state0.clone()
+        pending = mamba1_tree.PendingPath.empty(state.shape[0], first.max_depth + 1, Dn, N, dtype=torch.float32)
+        mamba1_tree.stash_accepted_path(pending, slots, first, acc, x0, dt0, B0, kernels="torch")
+        y = launch(x, dt, A, Bm, Cm, second, state, slots, pending, D, z, bias, True, path_groups=G)
+        results.append((y, state))
+    for y, state in results[1:]:  # (the unused slot stays poisoned: NaN in all)
+        torch.testing.assert_close(y, results[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(state, results[0][1], rtol=0, atol=0, equal_nan=True)
+
+
 def test_mamba1_refuses_unsupported_dims():
     tree = _tree("N64")
     T = tree.num_nodes
