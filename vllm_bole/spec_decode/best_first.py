@@ -166,7 +166,8 @@ _FIELDS = ("valid", "token", "parent", "depth", "logrho", "qprob", "row", "nid",
 
 def _as_slots(a: dict, device) -> Slots:
     """numpy search state -> :class:`Slots` (torch; zero-copy on the CPU)."""
-    return Slots(**{k: _to(torch.from_numpy(a[k]), device) for k in _FIELDS})
+    view = _SlotsView(a, device)
+    return Slots(**{k: getattr(view, k) for k in _FIELDS})
 
 
 class _SlotsView:

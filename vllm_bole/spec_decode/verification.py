@@ -92,6 +92,8 @@ class VerificationResult:
 
     def to(self, device) -> "VerificationResult":
         """On ``device``, in ONE copy (packed: a device-to-host copy is a stream sync each)."""
+        if self.output_token_ids.device == torch.device(device):
+            return self
         W = self.output_token_ids.shape[1]
         packed = torch.cat([self.output_token_ids, self.num_emitted[:, None], self.accepted_nodes,
                             self.last_node[:, None]], 1).to(device)
