@@ -33,6 +33,21 @@ TILE = 1024  # BD x BN state elements of one program
 # one warp per program: the H200 sweep at B = 32, N = 64 (Jamba shapes, verification alone): 1 warp
 # 0.54 ms, 2 warps 0.60, 4 warps 0.78 (fewer, fatter programs lose; mamba1_tree.json at 9b08516)
 NUM_WARPS = 1
+# path_groups=None: split a request's leaves over G programs until B x channel tiles x G reaches about
+# this many programs (G a power of two, at most 16). The H200 sweep (mamba1_tree.json at 09da34c):
+# Jamba shapes (128 tiles) best at G = 8 for B = 1 and G = 1 for B = 8; their TP-2 shard (64 tiles)
+# best at G = 16 for B = 1 and G = 2 for B = 8; B = 1, N = 64: 0.038 ms at G = 8 against 0.115 at G = 1.
+PATH_PROGRAMS = 1024
+MAX_PATH_GROUPS = 16
+
+
+def auto_path_groups(num_requests: int, channel_tiles: int) -> int:
+    """G for ``path_groups=None``: the largest power of two <= MAX_PATH_GROUPS with
+    num_requests x channel_tiles x G <= PATH_PROGRAMS (at least 1)."""
+    g = 1
+    while 2 * g <= MAX_PATH_GROUPS and num_requests * channel_tiles * 2 * g <= PATH_PROGRAMS:
+        g *= 2
+    return g
 
 
 @triton.jit
@@ -113,7 +128,7 @@ def mamba1_tree_step_kernel(
 
 
 def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out=None, *,
-                     tile=TILE, num_warps=NUM_WARPS, path_groups=1):
+                     tile=TILE, num_warps=NUM_WARPS, path_groups=None):
     """Launch ``mamba1_tree_step_kernel``; arguments as ``vllm_bole.mamba.mamba1_tree.mamba1_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone. Returns y [T, Dn]
@@ -121,8 +136,8 @@ def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_b
     two (>= 2), BD = tile / BN channels (1..64), NP = the largest tree rounded up (the parent vector).
     ``path_groups`` G > 1 splits each request's leaves over G programs (shorter serial chains for
     small batches, where B x channel tiles programs leave the GPU idle); the pending commit then runs
-    as its own launch first (the programs of a request must all read the committed state). Default 1:
-    the H200 sweep at B = 1 (``benchmarks/bench_mamba1_tree.py``) decides whether to change it.
+    as its own launch first (the programs of a request must all read the committed state). None:
+    :func:`auto_path_groups` (G = 1, one launch, from B x channel tiles >= PATH_PROGRAMS on).
     """
     import torch
 
@@ -145,6 +160,8 @@ def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_b
     else:
         out = None
         tree_args = (state, state, state, state, state, state, state_idx, state_idx, state_idx, state_idx, 0)
+    if path_groups is None:
+        path_groups = auto_path_groups(nB, triton.cdiv(Dn, BD))
     if pending is not None and tree is not None and path_groups > 1:
         mamba1_tree_step(None, None, A, None, None, None, state, state_idx, pending, D, None, dt_bias, dt_softplus,
                          tile=tile, num_warps=num_warps)

@@ -287,6 +287,14 @@ def test_mamba1_path_groups_equal_one_program_per_request():
         torch.testing.assert_close(state, results[0][1], rtol=0, atol=0, equal_nan=True)
 
 
+def test_mamba1_auto_path_groups_follow_the_h200_sweep():
+    from csrc_triton.mamba1_tree import auto_path_groups
+
+    # (requests, channel tiles) -> the sweep's best G: Jamba shapes 128 tiles, their TP-2 shard 64
+    assert [auto_path_groups(B, t) for B, t in ((1, 128), (8, 128), (1, 64), (8, 64), (32, 64), (1, 1))] == \
+        [8, 1, 16, 2, 1, 16]
+
+
 def test_mamba1_refuses_unsupported_dims():
     tree = _tree("N64")
     T = tree.num_nodes
