@@ -109,6 +109,20 @@ def test_fp32_lossless_criterion():
                                        dict(tokens=[[6]], top=base_top)).ok  # a different token
 
 
+def test_fp32_parting_at_a_tie_within_the_engine_spread():
+    """A parting where the baseline ranked the two tokens closer than 1.5 x the engine's own
+    decode/prefill spread is lossless but not identical; farther apart, or unmeasured, it fails."""
+    def verdict(gap, spread):
+        base = dict(tokens=[[7, 5]], top=[[[[7, -0.5], [8, -1.5]], [[5, -1.0], [6, -1.0 - gap]]]],
+                    rescored=[[[[7, -0.5 - spread], [8, -1.5]], [[5, -1.0], [6, -1.0 - gap]]]])
+        ours = dict(tokens=[[7, 6]], top=[[[[7, -0.5], [8, -1.5]], [[6, -1.0], [5, -1.0 - gap / 2]]]])
+        return lossless.compare_greedy("float32", base, ours)
+    v = verdict(3.4e-4, 1.4e-3)
+    assert v.ok and v.identical == 0 and [(i, j) for i, j, _ in v.ties] == [(0, 1)]
+    assert not verdict(3.4e-3, 1.4e-3).ok  # the engine decides between them
+    assert not verdict(3.4e-4, 0.0).ok  # decode and prefill agree exactly: no tie allowance
+
+
 def test_run_isolated_kills_process_group_on_timeout(tmp_path):
     pidfile = tmp_path / "grandchild.pid"
     script = (

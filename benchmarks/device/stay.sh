@@ -114,12 +114,23 @@ stage_kernels() {  # the Mamba1 tree kernel (issue 19): bench_mamba1_tree.py, ~1
     tail -14 "$OUT/mamba1_tree.log" | cut -c1-200
 }
 
-stage_newarchs() {  # issue 19: the open matrix rows (Qwen3.5 and Zamba2 with both drafters; Jamba, Falcon-Mamba, Bamba
-    # ran at 771b1ac: all five at once on a cold machine left the draft-model rows of these two unfinished in 540 s)
+stage_newarchs() {  # issue 19: the open matrix rows, Qwen3.5 and Zamba2 with the draft model (their n-gram rows
+    # and Jamba, Falcon-Mamba, Bamba ran at 771b1ac / 09da34c; three engines per architecture at once
+    # left the Qwen3.5 draft-model row unfinished in 540 s)
     project
-    timeout 540 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_5 --arch zamba2 \
-        --no-mixed --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
+    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_5 --arch zamba2 \
+        --drafter draft_model --no-mixed --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
+    cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_newarchs.json 2>/dev/null  # the next part-graphs run's --prior
     tail -20 "$OUT/vllm_gpu_e2e.log" | cut -c1-200
+}
+
+stage_soak() {  # issue 13 items 1 and 7: the 5-minute soak (NemotronH, small cache, auto budget) and the mixed
+    # batches with an abort and preemption, beside each other (~8 min on a warm machine)
+    project
+    prior=/tmp/e2e_newarchs.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
+    timeout 585 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows --soak-seconds 300 \
+        --mixed nemotron_h --mixed mamba2 --mixed llama --prior "$prior" > "$OUT/vllm_gpu_e2e_soak.log" 2>&1
+    tail -20 "$OUT/vllm_gpu_e2e_soak.log" | cut -c1-200
 }
 
 stage_online() {  # issue 15 item 4: vllm serve under agent-style sessions, AR / vLLM chain / bole_tree

@@ -67,6 +67,7 @@ MAX_TOKENS, BUDGET, DEPTH = 128, 8, 4
 CAPTURE = [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 256]
 NUM_SAMPLES, SAMPLE_TOKENS = 800, 5
 SAMPLED = {"llama": dict(temperature=1.0, top_k=4, min_p=0.1), "nemotron_h": dict(temperature=0.8, top_p=0.7)}
+DRAFTERS = ("ngram", "draft_model")
 MIXED_ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2", "llama")  # fp32, CUDA graphs
 # (dtype, CUDA graphs) per part and architecture. Qwen3-Next and Qwen3.5 run bf16 only: vLLM's FLA
 # chunked GDN prefill (the Triton backend; FlashInfer is not bundled) does not take fp32 inputs.
@@ -119,9 +120,9 @@ def _prompts(model) -> list[list[int]]:
     return prompts
 
 
-def arch_matrix(arch: str, model: Path, cases: list) -> dict:
-    """Every row of one architecture for ``cases`` [(dtype, cuda_graphs)] (module docstring), engines
-    one after another; each row is saved as soon as it is known."""
+def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS) -> dict:
+    """The rows of one architecture for ``cases`` [(dtype, cuda_graphs)] and ``drafters`` (module
+    docstring), engines one after another; each row is saved as soon as it is known."""
     prompts = _prompts(model)
     rows, extra = [], {}
     for dtype, graphs in cases:
@@ -135,7 +136,7 @@ def arch_matrix(arch: str, model: Path, cases: list) -> dict:
             base_jobs.append(engine_run.generate_job([prompts[0]] * (2 * NUM_SAMPLES), SAMPLE_TOKENS,
                                                      sampling=[sp] * NUM_SAMPLES + [colder] * NUM_SAMPLES))
         base = run(model, base_jobs, dtype=dtype, graphs=graphs)
-        for drafter in ("ngram", "draft_model"):
+        for drafter in drafters:
             jobs = [engine_run.generate_job(prompts, MAX_TOKENS, logprobs=k)]
             if sampled and drafter == "draft_model":
                 jobs.append(engine_run.generate_job([prompts[0]] * NUM_SAMPLES, SAMPLE_TOKENS, sampling=sp))
@@ -159,6 +160,8 @@ def arch_matrix(arch: str, model: Path, cases: list) -> dict:
                        draft_ms=1000 * st["draft_s"] / max(st["steps"], 1), branch_by_depth=st.get("branch_by_depth"))
             if bf16:
                 row.update(noise=v.noise, worst_margin_change=v.worst)
+            else:  # identical: every token; lossless: partings only at ties the engine itself leaves open
+                row.update(lossless=v.ok, engine_spread=v.spread, ties=v.ties)
             if drafter == "draft_model" and not bf16:
                 row["all_chain_accepted"] = _chain_all_accepted(st)
             if v.problems:
@@ -188,10 +191,14 @@ def _mixed_requests(prompts, abort: bool):
 
 
 def mixed_case(arch, model, prompts) -> dict:
-    # 24 blocks of 16 tokens: the longest request (200 + 64 tokens) fits, all of them at once do not;
-    # every sequence also holds one block for its recurrent state, hence max_num_seqs <= 24 too.
-    kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=24, block_size=16,
-              max_model_len=384, max_num_seqs=16)
+    # A cache the longest request (200 + 64 tokens) fits alone and the batch does not. Llama: 22 blocks
+    # of 16 tokens (vLLM estimated 368 tokens from 24 blocks, under its max_model_len of 384).
+    # Hybrids: vLLM enlarges attention blocks to the recurrent state's page (64 tokens on the tiny
+    # models) and every running sequence holds one block for its state, so 12 blocks and at most 8
+    # sequences (the CPU engine preempted NemotronH with 12: tests/test_vllm_tree_spec.py).
+    blocks, seqs, max_len = (22, 16, 352) if arch == "llama" else (12, 8, 384)
+    kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=blocks, block_size=16,
+              max_model_len=max_len, max_num_seqs=seqs)
     base = run(model, [engine_run.mixed_job(_mixed_requests(prompts, False), 64)], **kw)
     ours = run(model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64)], spec_cfg=spec("draft_model", model),
                **kw)
@@ -209,12 +216,12 @@ def mixed_case(arch, model, prompts) -> dict:
 
 
 def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, soak_s: float | None,
-                workers: int | None = None) -> None:
+                workers: int | None = None, drafters=DRAFTERS) -> None:
     """The architectures in parallel (one thread each, engines one after another within it; the
     mixed-batch cases and the server in threads of their own), and the soak beside them when
     ``soak_s`` is given. Everything is saved as it finishes (``SAVE``)."""
     cases = PARTS[part]
-    jobs = [lambda a=a: arch_matrix(a, models[a], cases.get(a, cases["*"])) for a in archs]
+    jobs = [lambda a=a: arch_matrix(a, models[a], cases.get(a, cases["*"]), drafters) for a in archs]
     jobs += [lambda a=a: SAVE.add("mixed", mixed_case(a, models[a], _prompts(models[a]))) for a in mixed]
     if serve:
         jobs.append(lambda: SAVE.set("serve", serve_case(models["llama"])))
@@ -230,14 +237,14 @@ def part_soak(models: dict, seconds: float) -> None:
     prompts = _prompts(model)
     kw = dict(num_gpu_blocks_override=64, block_size=16, max_num_seqs=24)  # each sequence holds a Mamba block
     ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=dict(spec("ngram", model), budget="auto"),
-               timeout=seconds + ENGINE_TIMEOUT_S, **kw)
+               timeout=seconds + 200, **kw)
     if "error" in ours:
         SAVE.set("soak", dict(ok=False, error=ours["error"]))
         return
     job = ours["jobs"][0]
     reqs = job["requests"]
     greedy = [r for r in reqs.values() if r["params"]["temperature"] == 0.0 and not r["aborted"]]
-    check = random.Random(1).sample(greedy, min(len(greedy), 200))
+    check = random.Random(1).sample(greedy, min(len(greedy), 120))  # each alone: one engine, one sequence
     alone = run(model, [engine_run.generate_job([r["prompt"] for r in check], sampling=[r["params"] for r in check])],
                 max_num_seqs=1)
     errors = [r for r in reqs.values() if not r["aborted"] and r["finish_reason"] is None]
@@ -300,13 +307,13 @@ class Saver:
         self.header = _versions()
         self.write()
 
-    def prior(self, earlier: dict, archs, mixed, serve: bool, soak: bool) -> None:
+    def prior(self, earlier: dict, archs, drafters, mixed, serve: bool, soak: bool) -> None:
         """Keep an earlier run's results (each tagged with its commit) except those this run redoes:
-        rows of ``archs`` with this part's cases, the mixed cases of ``mixed``, serve, soak."""
+        rows of ``archs`` x ``drafters`` with this part's cases, the mixed cases of ``mixed``, serve, soak."""
         commit, cases = earlier.get("commit"), PARTS[self.part]
-        redo = {(a, dt, g) for a in archs for dt, g in cases.get(a, cases["*"])}
+        redo = {(a, dt, g, d) for a in archs for dt, g in cases.get(a, cases["*"]) for d in drafters}
         for r in earlier.get("rows", []):
-            if (r["arch"], r["dtype"], r["cuda_graphs"]) not in redo:
+            if (r["arch"], r["dtype"], r["cuda_graphs"], r["drafter"]) not in redo:
                 self.data["rows"].append(dict(r, commit=r.get("commit", commit)))
         for key, arch_key, redone in (("mixed", "arch", mixed), ("sampling", "arch", archs)):
             self.data.setdefault(key, []).extend(dict(x, commit=x.get("commit", commit)) for x in earlier.get(key, [])
@@ -365,6 +372,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=tuple(PARTS), required=True)
     ap.add_argument("--arch", action="append", choices=ARCHS, help="matrix rows of these (default: all)")
+    ap.add_argument("--no-rows", action="store_true", help="no matrix rows (mixed cases, serve, soak only)")
+    ap.add_argument("--drafter", action="append", choices=DRAFTERS, help="matrix rows with these (default: both)")
     ap.add_argument("--mixed", action="append", choices=ARCHS, help=f"mixed-batch cases (default: {MIXED_ARCHS})")
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--serve", action="store_true", help="vllm serve with and without speculation (Llama)")
@@ -379,18 +388,19 @@ def main() -> int:
         MAX_TOKENS, NUM_SAMPLES = 16, 50
     STORE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    archs, drafters = [] if args.no_rows else args.arch or list(ARCHS), tuple(args.drafter or DRAFTERS)
     SAVE.start(args.part, dict(max_tokens=MAX_TOKENS, budget=BUDGET, depth=DEPTH, capture_sizes=CAPTURE,
-                               fp32_env=engine_env("float32"), cases=PARTS[args.part],
+                               fp32_env=engine_env("float32"), cases=PARTS[args.part], drafters=drafters,
                                concurrent_engines=not args.sequential))
-    archs = args.arch or list(ARCHS)
     mixed = [] if args.no_mixed else args.mixed or list(MIXED_ARCHS)
     for f in args.prior:
-        SAVE.prior(json.loads(f.read_text()), archs, mixed, args.serve, args.soak_seconds is not None)
+        SAVE.prior(json.loads(f.read_text()), archs, drafters, mixed, args.serve, args.soak_seconds is not None)
     try:
         need = set(archs) | set(mixed) | ({"llama"} if args.serve else set()) | (
             {"nemotron_h"} if args.soak_seconds is not None else set())
         models = engine_run.build_models(STORE / "tiny", [a for a in ARCHS if a in need])
-        part_matrix(args.part, models, archs, mixed, args.serve, args.soak_seconds, 1 if args.sequential else None)
+        part_matrix(args.part, models, archs, mixed, args.serve, args.soak_seconds, 1 if args.sequential else None,
+                    drafters)
     except Exception:  # noqa: BLE001 - keep what the part knows
         SAVE.set("error", traceback.format_exc()[-4000:])
     SAVE.set("seconds", time.monotonic() - t0)
