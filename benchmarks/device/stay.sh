@@ -118,18 +118,29 @@ stage_newarchs() {  # issue 19: the open matrix rows, Qwen3.5 and Zamba2 with th
     # and Jamba, Falcon-Mamba, Bamba ran at 771b1ac / 09da34c; three engines per architecture at once
     # left the Qwen3.5 draft-model row unfinished in 540 s)
     project
+    prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
     timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_5 --arch zamba2 \
-        --drafter draft_model --no-mixed --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
-    cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_newarchs.json 2>/dev/null  # the next part-graphs run's --prior
-    tail -20 "$OUT/vllm_gpu_e2e.log" | cut -c1-200
+        --drafter draft_model --no-mixed --prior "$prior" > "$OUT/vllm_gpu_e2e_newarchs.log" 2>&1
+    cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null
+    tail -20 "$OUT/vllm_gpu_e2e_newarchs.log" | cut -c1-200
 }
 
-stage_soak() {  # issue 13 items 1 and 7: the 5-minute soak (NemotronH, small cache, auto budget) and the mixed
-    # batches with an abort and preemption, beside each other (~8 min on a warm machine)
+stage_mixed() {  # issue 13 item 1: the mixed batches with an abort and preemption (NemotronH, Mamba2, Llama; ~4 min)
     project
-    prior=/tmp/e2e_newarchs.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
-    timeout 585 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows --soak-seconds 300 \
-        --mixed nemotron_h --mixed mamba2 --mixed llama --prior "$prior" > "$OUT/vllm_gpu_e2e_soak.log" 2>&1
+    prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
+    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows \
+        --mixed nemotron_h --mixed mamba2 --mixed llama --prior "$prior" > "$OUT/vllm_gpu_e2e_mixed.log" 2>&1
+    cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null  # the next stage's --prior
+    tail -20 "$OUT/vllm_gpu_e2e_mixed.log" | cut -c1-200
+}
+
+stage_soak() {  # issue 13 item 7: the 5-minute soak (NemotronH, small cache, auto budget) with its baseline
+    # (120 greedy requests, each alone) beside it; after `mixed`, whose engines compile the same kernels
+    project
+    prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
+    timeout 590 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows --no-mixed --soak-seconds 300 \
+        --prior "$prior" > "$OUT/vllm_gpu_e2e_soak.log" 2>&1
+    cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null
     tail -20 "$OUT/vllm_gpu_e2e_soak.log" | cut -c1-200
 }
 

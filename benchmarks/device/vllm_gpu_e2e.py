@@ -232,33 +232,44 @@ def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, 
             f.result()
 
 
-def part_soak(models: dict, seconds: float) -> None:
+def part_soak(models: dict, seconds: float, checked: int = 120, among: int = 300) -> None:
+    """The soak engine and, beside it, the baseline: ``checked`` greedy requests drawn from the soak's
+    first ``among`` (known in advance: ``engine_run.soak_requests``), each alone (one sequence at a
+    time) without speculation; those the soak finished unaborted must be equal."""
     arch, model = "nemotron_h", models["nemotron_h"]
     prompts = _prompts(model)
+    first = engine_run.soak_requests(prompts, among)
+    pick = random.Random(1).sample([i for i, r in enumerate(first) if r["params"]["temperature"] == 0.0
+                                    and r["abort_after"] is None], checked)
     kw = dict(num_gpu_blocks_override=64, block_size=16, max_num_seqs=24)  # each sequence holds a Mamba block
-    ours = run(model, [engine_run.soak_job(prompts, seconds)], spec_cfg=dict(spec("ngram", model), budget="auto"),
-               timeout=seconds + 200, **kw)
+    with ThreadPoolExecutor(2) as pool:
+        soak_f = pool.submit(run, model, [engine_run.soak_job(prompts, seconds)],
+                             spec_cfg=dict(spec("ngram", model), budget="auto"), timeout=seconds + 200, **kw)
+        alone = pool.submit(run, model, [engine_run.generate_job([first[i]["prompt"] for i in pick],
+                                                                  sampling=[first[i]["params"] for i in pick])],
+                            max_num_seqs=1).result()
+        ours = soak_f.result()
     if "error" in ours:
         SAVE.set("soak", dict(ok=False, error=ours["error"]))
         return
     job = ours["jobs"][0]
     reqs = job["requests"]
     greedy = [r for r in reqs.values() if r["params"]["temperature"] == 0.0 and not r["aborted"]]
-    check = random.Random(1).sample(greedy, min(len(greedy), 120))  # each alone: one engine, one sequence
-    alone = run(model, [engine_run.generate_job([r["prompt"] for r in check], sampling=[r["params"] for r in check])],
-                max_num_seqs=1)
     errors = [r for r in reqs.values() if not r["aborted"] and r["finish_reason"] is None]
     mem = [m for _, m in job["memory"][len(job["memory"]) // 4:]]  # after warm-up
     soak = dict(arch=arch, drafter="ngram", seconds=job.get("seconds"), steps=job["steps"], requests=len(reqs),
                 aborts=sum(r["aborted"] for r in reqs.values()), preemptions=job["stats"]["resumed_requests"],
-                tokens=sum(len(r["tokens"]) for r in reqs.values()), greedy=len(greedy), greedy_rerun_alone=len(check),
+                tokens=sum(len(r["tokens"]) for r in reqs.values()), greedy=len(greedy),
                 unfinished=len(errors), tree_steps=job["stats"]["tree_steps"], accepted=job["stats"]["accepted"],
                 memory_bytes_min=min(mem) if mem else None, memory_bytes_max=max(mem) if mem else None)
     if "error" in alone:
         soak.update(ok=False, error=alone["error"])
     else:
-        same = [r["tokens"] == t for r, t in zip(check, alone["jobs"][0]["tokens"])]
-        soak.update(greedy_equal=sum(same), ok=all(same) and not errors and (not mem or max(mem) == min(mem)))
+        pairs = [(reqs[f"s{i}"], t) for i, t in zip(pick, alone["jobs"][0]["tokens"])
+                 if f"s{i}" in reqs and not reqs[f"s{i}"]["aborted"]]
+        same = [r["tokens"] == t for r, t in pairs]
+        soak.update(greedy_rerun_alone=len(same), greedy_equal=sum(same),
+                    ok=bool(same) and all(same) and not errors and (not mem or max(mem) == min(mem)))
     SAVE.set("soak", soak)
 
 
@@ -321,7 +332,8 @@ class Saver:
         for key, redone in (("serve", serve), ("soak", soak)):
             if key in earlier and not redone:
                 self.data[key] = dict(earlier[key], commit=earlier[key].get("commit", commit))
-        self.data.setdefault("prior_runs", []).append(dict(commit=commit, parts=earlier.get("parts")))
+        self.data.setdefault("prior_runs", []).extend(earlier.get("prior_runs", []))
+        self.data["prior_runs"].append(dict(commit=commit, parts=earlier.get("parts")))
 
     def row(self, row: dict) -> dict:
         print(_row_line(row), flush=True)

@@ -89,9 +89,33 @@ def mixed_job(requests: list[dict], max_tokens: int) -> dict:
 def soak_job(prompts, seconds: float, *, seed: int = 0, concurrency: int = 24, max_tokens: int = 96) -> dict:
     """Requests arriving at random for ``seconds`` (then drained), at most ``concurrency`` at once:
     half greedy, half sampled, some with penalties or a stop string, some aborted at a random step;
-    GPU memory sampled as it runs. Returns every request (prompt, params, tokens, finish reason)."""
+    GPU memory sampled as it runs. Returns every request (prompt, params, tokens, finish reason).
+    Request ``i`` is ``soak_requests(prompts, i + 1, seed, max_tokens)[i]`` whatever the timing (arrivals
+    draw from a stream of their own), so its baseline can run beside the soak."""
     return dict(kind="soak", prompts=prompts, seconds=seconds, seed=seed, concurrency=concurrency,
                 max_tokens=max_tokens)
+
+
+def soak_requests(prompts, n: int, seed: int = 0, max_tokens: int = 96) -> list[dict]:
+    """The first ``n`` requests of :func:`soak_job`: {prompt, params, abort_after (engine steps after
+    arrival, or None)}."""
+    import random
+
+    rng = random.Random(seed)
+    return [_soak_request(rng, prompts, max_tokens) for _ in range(n)]
+
+
+def _soak_request(rng, prompts, max_tokens: int) -> dict:
+    p = dict(max_tokens=rng.randint(8, max_tokens), ignore_eos=True)
+    if rng.random() < 0.5:
+        p.update(temperature=0.0)
+    else:
+        p.update(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30))
+    if rng.random() < 0.3:
+        p.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
+    if rng.random() < 0.2:
+        p.update(stop=[" the", "\n\n"])
+    return dict(prompt=rng.choice(prompts), params=p, abort_after=rng.randint(1, 40) if rng.random() < 0.1 else None)
 
 
 def run_engine(model_dir, jobs: list[dict], *, spec: dict | None = None, llm_kwargs: dict | None = None,
@@ -285,39 +309,26 @@ def _mixed(llm, job, done: list) -> dict:
     return dict(outputs=outputs, finished_step=finished, added_step=added_at, steps=step)
 
 
-def _soak_params(rng, max_tokens: int) -> dict:
-    p = dict(max_tokens=rng.randint(8, max_tokens), ignore_eos=True)
-    if rng.random() < 0.5:
-        p.update(temperature=0.0)
-    else:
-        p.update(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30))
-    if rng.random() < 0.3:
-        p.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
-    if rng.random() < 0.2:
-        p.update(stop=[" the", "\n\n"])
-    return p
-
-
 def _soak(llm, job, done: list) -> dict:
     import random
 
     import torch
     from vllm import SamplingParams
 
-    engine, rng = llm.llm_engine, random.Random(job["seed"])
+    engine = llm.llm_engine
+    content, arrivals = random.Random(job["seed"]), random.Random(job["seed"] + 1)
     live: dict[str, int] = {}  # request id -> step to abort at (or -1)
     reqs, memory, step, t0 = {}, [], 0, time.monotonic()
     while True:
         arriving = time.monotonic() - t0 < job["seconds"]
         if not arriving and not engine.has_unfinished_requests():
             break
-        while arriving and len(live) < job["concurrency"] and rng.random() < 0.5:
+        while arriving and len(live) < job["concurrency"] and arrivals.random() < 0.5:
             rid = f"s{len(reqs)}"
-            params = _soak_params(rng, job["max_tokens"])
-            prompt = rng.choice(job["prompts"])
-            engine.add_request(rid, dict(prompt_token_ids=prompt), SamplingParams(**params))
-            reqs[rid] = dict(prompt=prompt, params=params, tokens=[], finish_reason=None, aborted=False)
-            live[rid] = step + rng.randint(1, 40) if rng.random() < 0.1 else -1
+            r = _soak_request(content, job["prompts"], job["max_tokens"])
+            engine.add_request(rid, dict(prompt_token_ids=r["prompt"]), SamplingParams(**r["params"]))
+            reqs[rid] = dict(prompt=r["prompt"], params=r["params"], tokens=[], finish_reason=None, aborted=False)
+            live[rid] = -1 if r["abort_after"] is None else step + r["abort_after"]
         for rid, at in list(live.items()):
             if at == step:
                 engine.abort_request([rid])
