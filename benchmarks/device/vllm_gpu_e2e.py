@@ -239,8 +239,8 @@ def part_soak(models: dict, seconds: float, checked: int = 120, among: int = 300
     arch, model = "nemotron_h", models["nemotron_h"]
     prompts = _prompts(model)
     first = engine_run.soak_requests(prompts, among)
-    pick = random.Random(1).sample([i for i, r in enumerate(first) if r["params"]["temperature"] == 0.0
-                                    and r["abort_after"] is None], checked)
+    greedy = [i for i, r in enumerate(first) if r["params"]["temperature"] == 0.0 and r["abort_after"] is None]
+    pick = sorted(random.Random(1).sample(greedy, min(checked, len(greedy))))
     kw = dict(num_gpu_blocks_override=64, block_size=16, max_num_seqs=24)  # each sequence holds a Mamba block
     with ThreadPoolExecutor(2) as pool:
         soak_f = pool.submit(run, model, [engine_run.soak_job(prompts, seconds)],
