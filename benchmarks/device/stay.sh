@@ -119,7 +119,9 @@ stage_newarchs() {  # issue 19: the open matrix rows, Qwen3.5 and Zamba2 with th
     # left the Qwen3.5 draft-model row unfinished in 540 s)
     project
     prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
-    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_5 --arch zamba2 \
+    # NEWARCHS="zamba2": only those
+    timeout "${NEWARCHS_TIMEOUT:-560}" python3 benchmarks/device/vllm_gpu_e2e.py --part graphs \
+        $(printf -- "--arch %s " ${NEWARCHS:-qwen3_5 zamba2}) \
         --drafter draft_model --no-mixed --prior "$prior" > "$OUT/vllm_gpu_e2e_newarchs.log" 2>&1
     cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null
     tail -20 "$OUT/vllm_gpu_e2e_newarchs.log" | cut -c1-200
@@ -138,7 +140,9 @@ stage_soak() {  # issue 13 item 7: the 5-minute soak (NemotronH, small cache, au
     # (120 greedy requests, each alone) beside it; after `mixed`, whose engines compile the same kernels
     project
     prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
-    timeout 590 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows --no-mixed --soak-seconds 300 \
+    # MIXED="llama ...": mixed-batch cases beside it
+    mixed=--no-mixed; [ -n "${MIXED:-}" ] && mixed=$(printf -- "--mixed %s " $MIXED)
+    timeout 590 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows $mixed --soak-seconds 300 \
         --prior "$prior" > "$OUT/vllm_gpu_e2e_soak.log" 2>&1
     cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null
     tail -20 "$OUT/vllm_gpu_e2e_soak.log" | cut -c1-200
