@@ -120,7 +120,8 @@ stage_newarchs() {  # issue 19: the open matrix rows, Qwen3.5 and Zamba2 with th
     project
     prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
     # NEWARCHS="zamba2": only those
-    timeout "${NEWARCHS_TIMEOUT:-560}" python3 benchmarks/device/vllm_gpu_e2e.py --part graphs \
+    t=${NEWARCHS_TIMEOUT:-560}
+    timeout "$t" python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --deadline $((t - 40)) \
         $(printf -- "--arch %s " ${NEWARCHS:-qwen3_5 zamba2}) \
         --drafter draft_model --no-mixed --prior "$prior" > "$OUT/vllm_gpu_e2e_newarchs.log" 2>&1
     cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null
@@ -130,7 +131,7 @@ stage_newarchs() {  # issue 19: the open matrix rows, Qwen3.5 and Zamba2 with th
 stage_mixed() {  # issue 13 item 1: the mixed batches with an abort and preemption (NemotronH, Mamba2, Llama; ~4 min)
     project
     prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
-    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows \
+    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows --deadline 520 \
         --mixed nemotron_h --mixed mamba2 --mixed llama --prior "$prior" > "$OUT/vllm_gpu_e2e_mixed.log" 2>&1
     cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null  # the next stage's --prior
     tail -20 "$OUT/vllm_gpu_e2e_mixed.log" | cut -c1-200
@@ -142,7 +143,7 @@ stage_soak() {  # issue 13 item 7: the 5-minute soak (NemotronH, small cache, au
     prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
     # MIXED="llama ...": mixed-batch cases beside it
     mixed=--no-mixed; [ -n "${MIXED:-}" ] && mixed=$(printf -- "--mixed %s " $MIXED)
-    timeout 590 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows $mixed --soak-seconds 300 \
+    timeout 590 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows $mixed --soak-seconds 300 --deadline 550 \
         --prior "$prior" > "$OUT/vllm_gpu_e2e_soak.log" 2>&1
     cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null
     tail -20 "$OUT/vllm_gpu_e2e_soak.log" | cut -c1-200
@@ -159,7 +160,7 @@ stage_chains() { bench chains 480; }
 
 stage_e2e() {  # the vLLM-on-H200 matrix's open items, after the pair's benchmarks
     project
-    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --arch qwen3_next --arch granitemoehybrid \
+    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --deadline 520 --arch qwen3_next --arch granitemoehybrid \
         --arch falcon_h1 --arch qwen3_5 --arch jamba --arch falcon_mamba --mixed nemotron_h --mixed llama --soak-seconds 300 \
         --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
     tail -20 "$OUT/vllm_gpu_e2e.log" | cut -c1-200

@@ -75,6 +75,7 @@ PARTS = {"graphs": {"qwen3_next": [("bfloat16", True)], "qwen3_5": [("bfloat16",
          "eager": {"qwen3_next": [("bfloat16", False)], "qwen3_5": [("bfloat16", False)],
                    "nemotron_h": [("float32", False), ("bfloat16", True)], "*": [("float32", False)]}}
 ENGINE_TIMEOUT_S = 400
+DEADLINE: float | None = None  # time.monotonic() by which every engine stops (--deadline)
 
 
 def engine_kwargs(dtype: str, graphs: bool, **kw) -> dict:
@@ -100,7 +101,10 @@ def spec(drafter: str, model) -> dict:
 
 def run(model, jobs, *, spec_cfg=None, dtype="float32", graphs=True, timeout=ENGINE_TIMEOUT_S, **kw) -> dict:
     """One engine; an exception becomes {"error": its first line and its tail} (the matrix never stops
-    on one failure)."""
+    on one failure). An engine still running at ``--deadline`` is stopped there, so its row records
+    where it was (its log's tail) instead of the run's outer time limit cutting everything."""
+    if DEADLINE is not None:
+        timeout = min(timeout, max(DEADLINE - time.monotonic(), 1.0))
     try:
         return engine_run.run_engine(model, jobs, spec=spec_cfg, llm_kwargs=engine_kwargs(dtype, graphs, **kw),
                                      env=engine_env(dtype), timeout=timeout)
@@ -402,7 +406,11 @@ def main() -> int:
                     help="an earlier run's vllm_gpu_e2e.json (another warm stay): kept, except what this run redoes")
     ap.add_argument("--soak-seconds", type=float, default=None, help="run the soak (and the server) beside")
     ap.add_argument("--quick", action="store_true", help="a few tokens and samples (a dry run of the script)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start after which running engines are stopped and recorded as errors")
     args = ap.parse_args()
+    global DEADLINE
+    DEADLINE = None if args.deadline is None else time.monotonic() + args.deadline
     if args.quick:
         global MAX_TOKENS, NUM_SAMPLES
         MAX_TOKENS, NUM_SAMPLES = 16, 50
