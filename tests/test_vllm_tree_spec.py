@@ -250,6 +250,22 @@ def test_mixed_batch_with_abort(engines, models):
     assert st["accepted"] > 0
 
 
+def test_warm_up_steps_leave_outputs_unchanged(engines, models):
+    """The engine-start warm-up (``vllm_bole.adapter.warmup``: whole tree steps on the null block, each
+    tree-size class twice, then a flush; automatic on CUDA) run on CPU through ``bole_warm_up``
+    before generating: every stream still equals non-speculative vLLM, nothing left pending."""
+    arch = "nemotron_h"  # attention, Mamba2 and conv layers
+    base = engines.run(arch, "base")["greedy"]
+    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, warm_up=True)],
+                              spec=spec_config("draft_model", models[arch]))
+    ours = r["jobs"][0]
+    _check_equal(arch, dict(tokens=base["tokens"]), ours)
+    (warm,) = ours["warm_up"]  # one worker
+    print(f"{arch} warm-up: {warm}")
+    assert [n for _, n, _ in warm["shapes"]] == [2, 2, BUDGET + 1, BUDGET + 1, BUDGET + 1]
+    assert warm["shapes"][-1][2] > 1  # the long-prefix step
+
+
 def test_soak_greedy_requests_equal_alone(models):
     """A short soak (``engine_run.soak_job``: random arrivals, random aborts, greedy and sampled requests
     with penalties and stop strings, a small cache, ``budget: "auto"``): every

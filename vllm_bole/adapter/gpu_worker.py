@@ -9,6 +9,7 @@ runner does not take ``custom_class``); the model-side config has no speculative
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -16,9 +17,10 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker as _GPUWorker
 
 from vllm_bole.adapter.config_hook import V2_ENV
-from vllm_bole.adapter.worker import (bole_set_budget_rpc, bole_stats_rpc, model_side_config, runner_class,
-                                     tree_config_of)
+from vllm_bole.adapter.worker import (bole_set_budget_rpc, bole_stats_rpc, bole_warm_up_rpc, model_side_config,
+                                     runner_class, tree_config_of)
 
+logger = logging.getLogger("vllm_bole")
 BoleGPUModelRunner = runner_class(GPUModelRunner)
 _CPU_PATCH = "vllm.v1.worker.cpu.shm"  # vLLM's CPU worker's process-wide torch.cuda placeholders
 
@@ -42,5 +44,15 @@ class BoleGPUWorker(_GPUWorker):
     def _make_model_runner(self):
         return BoleGPUModelRunner(self.vllm_config, self.device)
 
+    def compile_or_warm_up_model(self):
+        out = super().compile_or_warm_up_model()
+        try:  # the tree step's Triton kernels compile here, not inside the first requests
+            self.bole_warm_up()
+        except Exception:  # noqa: BLE001 - serving still works: the kernels then compile at first use
+            logger.warning("vllm-bole: the tree-step warm-up failed; its kernels compile at their first use "
+                           "instead", exc_info=True)
+        return out
+
     bole_stats = bole_stats_rpc
     bole_set_budget = bole_set_budget_rpc
+    bole_warm_up = bole_warm_up_rpc

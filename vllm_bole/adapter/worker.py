@@ -71,6 +71,13 @@ def bole_stats_rpc(self) -> dict:
     return self.model_runner.bole_stats()
 
 
+def bole_warm_up_rpc(self) -> dict:
+    """Worker method (``collective_rpc("bole_warm_up")``): :func:`vllm_bole.adapter.warmup.warm_up_tree_kernels`."""
+    from vllm_bole.adapter.warmup import warm_up_tree_kernels
+
+    return warm_up_tree_kernels(self.model_runner)
+
+
 def bole_set_budget_rpc(self, budget) -> int | str:
     """Worker method (``collective_rpc("bole_set_budget", args=(budget,))``): see the runner's."""
     return self.model_runner.bole_set_budget(budget)

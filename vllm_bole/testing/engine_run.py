@@ -73,13 +73,15 @@ def build_models(out_dir, archs=None, timeout: float = 600) -> dict[str, Path]:
 
 
 def generate_job(prompts, max_tokens: int = 64, *, logprobs: int | None = None, sampling: dict | list | None = None,
-                 rescore: int | None = None, budget: int | str | None = None, concurrency: int | None = None) -> dict:
+                 rescore: int | None = None, budget: int | str | None = None, concurrency: int | None = None,
+                 warm_up: bool = False) -> dict:
     """``sampling``: extra ``SamplingParams`` fields for every prompt, or a list of them, one per prompt.
     A ``stop_token_ids`` value ``{"from_job": j, "prompt": p, "start": a, "end": b}`` means the distinct
     tokens ``a:b`` of an earlier job's stream ``p``. ``budget``: the tree node budget from this job on
-    (``bole_set_budget``). ``concurrency``: prompts go in groups of that many, one ``generate`` each."""
+    (``bole_set_budget``). ``concurrency``: prompts go in groups of that many, one ``generate`` each.
+    ``warm_up``: the tree runner's warm-up steps first (``bole_warm_up``; its report in ``warm_up``)."""
     return dict(kind="generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
-                sampling=sampling or {}, rescore=rescore, budget=budget, concurrency=concurrency)
+                sampling=sampling or {}, rescore=rescore, budget=budget, concurrency=concurrency, warm_up=warm_up)
 
 
 def mixed_job(requests: list[dict], max_tokens: int) -> dict:
@@ -370,11 +372,14 @@ def _run(req) -> dict:
                 continue
             if job.get("budget") is not None:
                 llm.collective_rpc("bole_set_budget", args=(job["budget"],))
+            warm = llm.collective_rpc("bole_warm_up") if job.get("warm_up") else None
             before, counters, t1 = _stats(llm, req), _counters(llm), time.monotonic()
             res = dict(generate=_generate, mixed=_mixed, soak=_soak)[job["kind"]](llm, job, out["jobs"])
             res["seconds"] = time.monotonic() - t1
             res["stats"] = _stats_delta(before, _stats(llm, req))
             res["counters"] = {k: v - counters.get(k, 0) for k, v in _counters(llm).items()}
+            if warm is not None:
+                res["warm_up"] = warm
             out["jobs"].append(res)
     finally:
         llm.llm_engine.engine_core.shutdown()
