@@ -300,9 +300,6 @@ def _gpu_configs():
 
 def _prune(configs, named_args, **kwargs):
     g_pad = kwargs.get("G_PAD", named_args.get("G_PAD"))
-    if kwargs.get("IEEE", named_args.get("IEEE")):
-        # fp32 inputs (correctness paths only): big fp32 tiles spill kilobytes and compile for a minute.
-        return [triton.Config({"BLOCK_M": max(16, g_pad), "BLOCK_N": 16, "SWAP": False}, num_warps=4, num_stages=1)]
     keep = [c for c in configs if c.kwargs["BLOCK_M"] >= g_pad]
     return keep or [triton.Config({"BLOCK_M": g_pad, "BLOCK_N": 16, "SWAP": False}, num_warps=8, num_stages=2)]
 
@@ -359,8 +356,9 @@ def tree_attention_triton(
     ``max_nodes`` / ``max_kv_len`` (host ints: the largest tree and largest prefix + tree of the
     batch; upper bounds are fine) size the grid and the splits without a device sync.
     ``block_m`` / ``block_n`` (and ``num_warps`` / ``num_stages``) force a tile (tests, sweeps);
-    otherwise autotuned on GPU (keyed by head size, group, split, page size and a coarse size
-    class) and (max(32, G_PAD), 16) in the interpreter.
+    otherwise autotuned on GPU for 16-bit inputs (keyed by head size, group, split, page size and a
+    coarse size class); fp32 inputs take (max(16, G_PAD), 16), and 16-bit ones (max(32, G_PAD), 16)
+    in the interpreter.
     """
     T, Hq, D = q.shape
     _, page_size, Hkv, Dk = key_cache.shape
@@ -373,9 +371,12 @@ def tree_attention_triton(
     HEAD_PAD = max(16, triton.next_power_of_2(D))
     if T == 0:
         return out
-    fixed_tile = block_m is not None or INTERPRET
+    ieee = q.dtype == torch.float32
+    # fp32 inputs (correctness paths) take one fixed tile, no autotuning: big fp32 tiles spill kilobytes
+    # and compile for a minute, and a single candidate would still be benchmarked once per size class
+    fixed_tile = block_m is not None or INTERPRET or ieee
     assert not swap or fixed_tile, "swap is an autotuned choice unless the tile is forced"
-    bm = block_m if block_m is not None else max(32, G_PAD)
+    bm = block_m if block_m is not None else max(16 if ieee else 32, G_PAD)
     bn = block_n if block_n is not None else 16
     S = num_splits if num_splits is not None else choose_num_splits(B, Hkv, max_nodes, G_PAD, max_kv_len, q.device)
     split_keys = 0
@@ -390,7 +391,6 @@ def tree_attention_triton(
     else:
         part_acc = torch.empty(1, 1, 1, 1, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(1, 1, 1, 2, device=q.device, dtype=torch.float32)
-    ieee = q.dtype == torch.float32
     tune_bucket = (max(B * Hq * max_nodes, 1).bit_length() // 2) * 64 + max(max_kv_len, 1).bit_length() // 2
     args = (
         q, key_cache, value_cache, out, block_table, prefix_len, cu_nodes,
@@ -410,7 +410,7 @@ def tree_attention_triton(
         grid = (triton.cdiv(max_nodes, bm // G_PAD), B * Hkv, S)
         _tree_attn_fwd[grid](
             *args, **consts, BLOCK_M=bm, BLOCK_N=bn, SWAP=bool(swap), num_warps=num_warps or 4,
-            num_stages=num_stages or 2,
+            num_stages=num_stages or (1 if ieee else 2),
         )
     else:
         grid = lambda meta: (triton.cdiv(max_nodes, meta["BLOCK_M"] // G_PAD), B * Hkv, S)  # noqa: E731
