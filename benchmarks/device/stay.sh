@@ -16,7 +16,8 @@
 #   run 6                                                       BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees        [570 s]
 #   run 7  (what is left of the 30 minutes)                     BOLE_COMMIT=.. bash benchmarks/device/stay.sh chains or online
 #
-# Other stages, each one run: `kernels` (the Mamba1 tree benchmark, ~3 min), `cost` (one target step at
+# Other stages, each one run: `mixed` (mixed batches, ~6 min cold), `soak` (MIXED="nemotron_h mamba2 llama"
+# beside it: 477 s on a fresh machine at f2f2bf4), `kernels` (the Mamba1 tree benchmark, ~2 min), `cost` (one target step at
 # Nemotron-H-8B shapes, ~9 min), `e2e` (the vLLM matrix's open rows and the new architectures),
 # `newarchs` (the open Qwen3.5 and Zamba2 rows), `online` (bench_online.py, after `train`),
 # `tinyprof` (profiles at batch 1 and 32 on the tiny checkpoints).
@@ -29,7 +30,10 @@
 # out of memory on 2026-12-02). On a cold Triton cache an engine's first steps compile
 # kernels for minutes (vLLM's Mamba2 warm-up 67 s, each tree kernel 1-25 s): engine timeouts of a
 # fresh machine are 300 s, not 150. Every stage re-installs the project (the working tree travels
-# with each run), so a fix between runs is picked up.
+# with each run), so a fix between runs is picked up. 2026-12-03: BOLE_COMMIT must be the full sha of
+# HEAD in every stage (results carry it); the Zamba2 draft-model row alone did not finish in 380 s (the
+# transformers draft of a hybrid re-reads histories); the machine goes back 30 s after a run even
+# when the reply is slow to arrive, so chain stages in one run where they fit (`install mixed`).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
