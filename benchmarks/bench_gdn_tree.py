@@ -90,7 +90,8 @@ def run_ours(c, state, pending, verify_only=False):
 
     def step():
         stash_accepted_path(pending, c["slots_dev"], tree, c["acc_dev"], c["k"], c["v"], c["g"], c["beta"])
-        return gdn_tree_step(c["q"], c["k"], c["v"], c["g"], c["beta"], tree, state, c["slots_dev"], pending)
+        return gdn_tree_step(c["q"], c["k"], c["v"], c["g"], c["beta"], tree, state, c["slots_dev"], pending,
+                             reset_pending=False)  # as the engine: the next stash sets the lengths
 
     return step
 

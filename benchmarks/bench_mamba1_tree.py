@@ -140,7 +140,7 @@ def run_ours(c, state, pending, verify_only=False):
 
     def step():
         stash_accepted_path(pending, slots, c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"], kernels="triton")
-        return mamba1_tree_step(*_args(c), state, slots, pending, **_kw(c))
+        return mamba1_tree_step(*_args(c), state, slots, pending, reset_pending=False, **_kw(c))  # as the engine
 
     return step
 

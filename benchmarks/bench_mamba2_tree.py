@@ -157,7 +157,7 @@ def run_ours(c, state, pending, verify_only=False, two_pass=False):
         if two_pass:
             ssd_tree_step(None, None, c["A"], None, None, None, state, slots, pending, **kw)
             return ssd_tree_step(*args, None, **kw)
-        return ssd_tree_step(*args, pending, **kw)
+        return ssd_tree_step(*args, pending, reset_pending=False, **kw)  # as the engine
 
     return step
 

@@ -24,11 +24,13 @@ MAX_FIELDS = 4  # fields one stash launch copies (GDN has 4, SSD and Mamba1 3)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton tree steps take
 
 
-def dispatch_step(triton: bool, launch, twin, *, tensors, out, pending, state_idx):
+def dispatch_step(triton: bool, launch, twin, *, tensors, out, pending, state_idx, reset_pending: bool = True):
     """A recurrent tree step (commit of the pending paths, then verification): ``launch()`` (Triton;
     every tensor of ``tensors`` in :data:`KERNEL_DTYPES`, else a one-line error naming the dtype) or
-    ``twin()`` (torch; its output copied into ``out`` when given); then the pending lengths of the
-    touched slots are reset. Returns the step's output (None: commit only)."""
+    ``twin()`` (torch; its output copied into ``out`` when given); then, with ``reset_pending``, the
+    pending lengths of the touched slots are reset (one more launch; a caller whose next operation on
+    those slots is a stash, which sets their lengths, passes False). Returns the step's output (None:
+    commit only)."""
     if triton:
         for t in tensors:
             if t is not None and t.dtype not in KERNEL_DTYPES:
@@ -38,7 +40,7 @@ def dispatch_step(triton: bool, launch, twin, *, tensors, out, pending, state_id
         y = twin()
         if out is not None and y is not None:
             y = out.copy_(y)
-    if pending is not None:
+    if pending is not None and reset_pending:
         pending.length.index_fill_(0, state_idx.long(), 0)
     return y
 

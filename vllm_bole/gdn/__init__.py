@@ -67,13 +67,16 @@ def check_gdn_dims(Hk: int, Hv: int, K: int, V: int) -> None:
 
 def gdn_tree_step(
     q, k, v, g, beta, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
-    *, scale: float | None = None, use_qk_l2norm: bool = True, out=None, kernels: str = "auto",
+    *, scale: float | None = None, use_qk_l2norm: bool = True, out=None, kernels: str = "auto", reset_pending: bool = True,
 ):
     """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
 
     Returns o [T, Hv, V] (written into ``out`` when given; None when ``tree`` is None: commit only). Pending lengths of the
     touched slots are reset to 0. ``state`` may be fp32 or the model dtype (computed in fp32,
     stored in its own dtype). Triton: the commit and the verification are two launches.
+    ``reset_pending=False`` leaves the pending lengths of the touched slots as they were, for a
+    caller that stashes every one of them next (the engine: each verified slot's accepted path),
+    which saves a launch per step; they must not be read before that stash.
     """
     triton = use_triton(kernels, state)
     Hv, K, V = state.shape[1:]
@@ -92,7 +95,7 @@ def gdn_tree_step(
 
     return _pending.dispatch_step(
         triton, launch, lambda: step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm),
-        tensors=(state, q, k, v), out=out, pending=pending, state_idx=state_idx)
+        tensors=(state, q, k, v), out=out, pending=pending, state_idx=state_idx, reset_pending=reset_pending)
 
 
 def gdn_commit_pending(state, state_idx, pending: PendingPath, *, use_qk_l2norm=True, kernels="auto"):

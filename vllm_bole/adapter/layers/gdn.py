@@ -99,7 +99,7 @@ class GDNLayer(RecurrentLayer):
         g = -torch.exp(layer.A_log.float()) * F.softplus(a[s : s + T].float() + layer.dt_bias.float())
         beta = torch.sigmoid(b[s : s + T].float())
         o = gdn.gdn_tree_step(q, k, v, g, beta, step.tree, self.state_view(), slots, self.pending_path(),
-                              scale=K**-0.5, use_qk_l2norm=True, kernels=step.kernels)
+                              scale=K**-0.5, use_qk_l2norm=True, kernels=step.kernels, reset_pending=False)
         core[s : s + T] = o.to(core.dtype)
         self.save(step, slots, conv_in, k=k, v=v, g=g, beta=beta)
 

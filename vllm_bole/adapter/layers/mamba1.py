@@ -48,7 +48,8 @@ class Mamba1Layer(RecurrentLayer):
         dt, B, C = dt.transpose(-2, -1).contiguous(), B.contiguous(), C.contiguous()
         y = mamba1_tree.mamba1_tree_step(x, dt, layer.A, B, C, step.tree, self.state_view(), slots,
                                          self.pending_path(), D=layer.D, z=gate.contiguous(),
-                                         dt_bias=layer._time_proj_bias(), dt_softplus=True, kernels=step.kernels)
+                                         dt_bias=layer._time_proj_bias(), dt_softplus=True, kernels=step.kernels,
+                                         reset_pending=False)
         output[s : s + T] = layer.out_proj(y.to(hidden_states.dtype))[0].to(output.dtype)
         self.save(step, slots, x_in, x=x, dt=dt, B=B)
 

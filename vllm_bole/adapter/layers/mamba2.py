@@ -50,7 +50,7 @@ class Mamba2Layer(RecurrentLayer):
         dt = dt.contiguous()
         y = ssd_tree.ssd_tree_step(x, dt, layer.A, B, C, step.tree, self.state_view(), slots, self.pending_path(),
                                    D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True, dt_limit=(0.0, INF),
-                                   kernels=step.kernels)
+                                   kernels=step.kernels, reset_pending=False)
         output[s : s + T] = y.reshape(T, H * P).to(output.dtype)
         self.save(step, slots, xBC, x=x, dt=dt, B=B)
 

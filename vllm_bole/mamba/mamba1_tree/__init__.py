@@ -69,11 +69,15 @@ def check_mamba1_dims(Dn: int, N: int) -> None:
 
 
 def mamba1_tree_step(x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
-                     *, D=None, z=None, dt_bias=None, dt_softplus: bool = True, out=None, kernels: str = "auto"):
+                     *, D=None, z=None, dt_bias=None, dt_softplus: bool = True, out=None, kernels: str = "auto",
+                     reset_pending: bool = True):
     """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
 
     Returns y [T, Dn] (written into ``out`` when given; None when ``tree`` is None: commit only).
     Pending lengths of the touched slots are reset to 0.
+    ``reset_pending=False`` leaves the pending lengths of the touched slots as they were, for a
+    caller that stashes every one of them next (the engine: each verified slot's accepted path),
+    which saves a launch per step; they must not be read before that stash.
     """
     if tree is None and pending is None:
         return None
@@ -88,7 +92,7 @@ def mamba1_tree_step(x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, p
     return _pending.dispatch_step(
         use_triton(kernels, state), launch,
         lambda: step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus),
-        tensors=(state, x), out=out, pending=pending, state_idx=state_idx)
+        tensors=(state, x), out=out, pending=pending, state_idx=state_idx, reset_pending=reset_pending)
 
 
 def mamba1_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, kernels="auto"):

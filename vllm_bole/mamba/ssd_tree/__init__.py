@@ -76,11 +76,15 @@ def check_ssd_dims(H: int, G: int, P: int, N: int) -> None:
 def ssd_tree_step(
     x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
     *, D=None, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.0, INF), out=None, kernels: str = "auto",
+    reset_pending: bool = True,
 ):
     """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
 
     Returns y [T, H, P] (written into ``out`` when given; None when ``tree`` is None: commit
     only). Pending lengths of the touched slots are reset to 0.
+    ``reset_pending=False`` leaves the pending lengths of the touched slots as they were, for a
+    caller that stashes every one of them next (the engine: each verified slot's accepted path),
+    which saves a launch per step; they must not be read before that stash.
     """
     triton = use_triton(kernels, state)
     if tree is None and pending is None:
@@ -96,7 +100,7 @@ def ssd_tree_step(
     return _pending.dispatch_step(
         triton, launch, lambda: step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus,
                                            dt_limit),
-        tensors=(state, x), out=out, pending=pending, state_idx=state_idx)
+        tensors=(state, x), out=out, pending=pending, state_idx=state_idx, reset_pending=reset_pending)
 
 
 def ssd_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
