@@ -6,6 +6,7 @@ side by side in the operation's package, whose ``__init__`` is the public API an
 
   kernel (here)        API                                  twin / reference (beside the API)
   gdn_tree.py          vllm_bole.gdn                        gdn/naive.py, gdn/reference.py
+  gdn_gating.py        vllm_bole.gdn (gdn_gating)           gdn/naive.py, gdn/reference.py
   ssd_tree.py          vllm_bole.mamba.ssd_tree             mamba/ssd_tree/{naive,reference}.py
   tree_conv.py         vllm_bole.mamba.tree_conv            mamba/tree_conv/{naive,reference}.py
   tree_attention.py    vllm_bole.attention.tree_attention   attention/tree_attention/{naive,reference}.py

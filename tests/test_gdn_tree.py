@@ -7,7 +7,8 @@ fp32 tolerance: 1e-4 relative (interpreter dots are exact fp32; the torch twin s
 import pytest
 import torch
 
-from vllm_bole.gdn import PendingPath, gdn_commit_pending, gdn_tree_step, stash_accepted_path
+from vllm_bole.gdn import PendingPath, gdn_commit_pending, gdn_gating, gdn_tree_step, stash_accepted_path
+from vllm_bole.gdn.reference import gdn_gating as gating_reference
 from vllm_bole.testing.oracles import random_accepted_paths, gdn_tree_reference, make_tree_shape, random_tree_batch, strided, tree_shapes
 from vllm_bole.testing.stats import rel_err
 
@@ -127,3 +128,19 @@ def test_bad_kernels_is_rejected():
     with pytest.raises(ValueError, match="kernels: 'cuda' is not one of"):
         gdn_tree_step(None, None, None, None, None, None, torch.zeros(1, 1, 1, 1), torch.zeros(1), kernels="cuda")
 
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("dtype,T,H", [(torch.float32, 7, 4), (torch.bfloat16, 33, 12), (torch.float32, 0, 4),
+                                       (torch.float32, 1, 64)])
+def test_gating_matches_oracle(kernels, dtype, T, H):
+    """g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b): both implementations against the
+    float64 oracle, a and b as strided column halves of one [T, 2H] tensor (the CPU layer's
+    ``ba.chunk``), values past softplus's linear threshold included."""
+    gen = torch.Generator().manual_seed(T * 100 + H)
+    ba = (torch.randn(T, 2 * H, generator=gen) * 12).to(dtype)  # |a + dt_bias| beyond 20 in places
+    b, a = ba.chunk(2, dim=-1)
+    A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H, generator=gen)
+    g, beta = gdn_gating(a, b, A_log, dt_bias, kernels=kernels)
+    g_ref, beta_ref = gating_reference(a, b, A_log, dt_bias)
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == (T, H)
+    assert rel_err(g, g_ref) < 1e-5 and rel_err(beta, beta_ref) < 1e-5

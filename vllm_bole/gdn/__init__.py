@@ -1,8 +1,8 @@
 """Gated DeltaNet tree verification and accepted-path commit (engine-agnostic): the public API.
 
-One operation, three implementations side by side:
-  csrc_triton/gdn_tree.py      the Triton kernels (commit, verify)
-  vllm_bole/gdn/naive.py       their plain-torch twin (the CPU path)
+One operation (and its gating, ``gdn_gating``), three implementations side by side:
+  csrc_triton/gdn_tree.py      the Triton kernels (commit, verify; csrc_triton/gdn_gating.py the gating)
+  vllm_bole/gdn/naive.py       their plain-torch twins (the CPU path)
   vllm_bole/gdn/reference.py   the float64 sequential reference (the tests' oracle)
 
 Layouts (T flat tree nodes, B requests, S state slots):
@@ -37,7 +37,7 @@ import torch
 
 from vllm_bole import pending as _pending
 from vllm_bole.dispatch import use_triton
-from vllm_bole.gdn.naive import step_torch
+from vllm_bole.gdn.naive import gating_torch, step_torch
 from vllm_bole.spec_decode.tree import TreeBatch
 
 
@@ -63,6 +63,17 @@ def check_gdn_dims(Hk: int, Hv: int, K: int, V: int) -> None:
         raise ValueError(f"GDN value head dim V={V} is not supported: V must be a multiple of 16 from 16 to 512")
     if Hk < 1 or Hv % Hk:
         raise ValueError(f"GDN heads: {Hv} value heads must be a multiple of the {Hk} key heads")
+
+
+def gdn_gating(a, b, A_log, dt_bias, *, kernels: str = "auto"):
+    """Qwen3-Next's gating of the tree tokens: g = -exp(A_log) * softplus(a + dt_bias) (log decay) and
+    beta = sigmoid(b). a, b [T, Hv] (any dtype, rows strided); A_log, dt_bias [Hv]. Returns (g, beta)
+    [T, Hv] fp32. Triton: one launch (torch: seven)."""
+    if use_triton(kernels, a):
+        from csrc_triton.gdn_gating import gdn_gating as launch
+
+        return launch(a, b, A_log, dt_bias)
+    return gating_torch(a, b, A_log, dt_bias)
 
 
 def gdn_tree_step(

@@ -64,3 +64,9 @@ def step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_
     qb, kb = pad(_prep_qk(q, Hv, use_qk_l2norm, dt)), pad(_prep_qk(k, Hv, use_qk_l2norm, dt))
     o, _, _ = closed_form(state[slots].to(dt), qb, kb, pad(v), pad(g), pad(beta), M, scale)
     return o.transpose(1, 2)[valid].to(v.dtype)
+
+
+def gating_torch(a, b, A_log, dt_bias):
+    """Twin of ``csrc_triton.gdn_gating``: (g, beta) [T, Hv] fp32 (see ``vllm_bole.gdn.gdn_gating``)."""
+    g = -torch.exp(A_log.float()) * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())

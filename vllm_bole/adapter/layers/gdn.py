@@ -6,7 +6,6 @@ through ``forward_cpu``, whose projections are repeated here around vLLM's CPU o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from vllm_bole import gdn
 from vllm_bole.adapter.layers.recurrent import RecurrentLayer
@@ -96,11 +95,14 @@ class GDNLayer(RecurrentLayer):
         conv_out, slots = self.conv(step, conv_in, self._conv_weight(), layer.conv1d.bias, layer.activation)
         q, k, v = layer.rearrange_mixed_qkv(conv_out)
         q, k, v = (x.reshape(T, h, d).contiguous() for x, h, d in ((q, Hk, K), (k, Hk, K), (v, Hv, V)))
-        g = -torch.exp(layer.A_log.float()) * F.softplus(a[s : s + T].float() + layer.dt_bias.float())
-        beta = torch.sigmoid(b[s : s + T].float())
+        g, beta = gdn.gdn_gating(a[s : s + T], b[s : s + T], layer.A_log, layer.dt_bias, kernels=step.kernels)
+        dst = core[s : s + T]
+        direct = dst.dtype == v.dtype and dst.is_contiguous()  # the kernel writes the layer's output in place
         o = gdn.gdn_tree_step(q, k, v, g, beta, step.tree, self.state_view(), slots, self.pending_path(),
-                              scale=K**-0.5, use_qk_l2norm=True, kernels=step.kernels, reset_pending=False)
-        core[s : s + T] = o.to(core.dtype)
+                              scale=K**-0.5, use_qk_l2norm=True, out=dst if direct else None, kernels=step.kernels,
+                              reset_pending=False)
+        if not direct:
+            dst.copy_(o)
         self.save(step, slots, conv_in, k=k, v=v, g=g, beta=beta)
 
     def state_view(self) -> torch.Tensor:
