@@ -497,7 +497,8 @@ class TreeRunnerMixin:
         return TreeStep(num_plain=P, tok_start=int(self.query_start_loc.cpu[P]), tree=tree, host_tree=host_tree,
                         prefix_len=prefix,
                         req_ids=[ib.req_ids[i] for i in rows], rows=rows, block_tables=block_tables,
-                        state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain, kernels=self.bole_config.kernels)
+                        state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain,
+                        max_kv_len=int(prefix_np.max()) + host_tree.max_nodes, kernels=self.bole_config.kernels)
 
     def _bole_check_slots(self, step: TreeStep) -> None:
         """The KV slots vLLM writes the tree tokens to are the core's tree slots."""

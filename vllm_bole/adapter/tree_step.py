@@ -33,6 +33,7 @@ class TreeStep:
     state_slots: dict[int, torch.Tensor]  # KV-cache group -> [Bt] int64 (recurrent groups)
     fresh: torch.Tensor  # [Bt] bool, on the host (no device sync to test it): no committed state yet
     chain_len: list[int]  # [Bt] depth of each tree's first-child chain (the drafter's greedy chain)
+    max_kv_len: int  # host: the longest prefix + tree (tree attention sizes its grid from it, no device sync)
     kernels: str = "auto"  # core kernels: auto (Triton on CUDA, torch on CPU), torch, triton
 
     @property

@@ -83,7 +83,7 @@ def _step(runner, requests: int, nodes: int, prefix: int) -> None:
                     block_tables={g: torch.zeros(requests, w, dtype=torch.int32, device=dev) for g, w in width.items()},
                     state_slots={g: torch.zeros(requests, dtype=torch.int64, device=dev) for g in runner._bole_recurrent},
                     fresh=torch.zeros(requests, dtype=torch.bool), chain_len=host.first_child_depth().tolist(),
-                    kernels=cfg.kernels)
+                    max_kv_len=prefix + nodes, kernels=cfg.kernels)
     for g in runner._bole_attention:
         g.begin(step)
     runner._bole_active.step = step

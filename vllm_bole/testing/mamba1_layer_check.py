@@ -90,7 +90,8 @@ def check(kernels_list=("torch", "triton"), seed: int = 0) -> dict:
             prefix = torch.tensor([h.shape[0] for h in history])
             step = TreeStep(num_plain=0, tok_start=0, tree=tree, host_tree=tree, prefix_len=prefix,
                             req_ids=[f"r{b}" for b in range(B)], rows=list(range(B)), block_tables={},
-                            state_slots={0: slots}, fresh=prefix == 0, chain_len=[0] * B, kernels=kernels)
+                            state_slots={0: slots}, fresh=prefix == 0, chain_len=[0] * B,
+                            max_kv_len=int(prefix.max()) + tree.max_nodes, kernels=kernels)
             output = torch.full((tree.num_nodes, HID), float("nan"))
             active.step = step
             vm.forward_impl(u, output)
