@@ -370,8 +370,8 @@ class TreeRunnerMixin:
                           kernels=step.kernels)
         transient = sum(layer.saved_bytes() for layers in self._bole_recurrent.values() for layer in layers)
         commit(self._bole_attention + [layer for layers in self._bole_recurrent.values() for layer in layers], tree, res)
-        for r, rid in enumerate(step.req_ids if step.state_slots else ()):
-            self._bole_pending_slots[rid] = {gid: int(slots[r]) for gid, slots in step.state_slots.items()}
+        for r, rid in enumerate(step.req_ids if step.state_slots else ()):  # host copies: no device sync
+            self._bole_pending_slots[rid] = {gid: slots[r] for gid, slots in step.state_slots_host.items()}
         dt = time.perf_counter() - t0
         self._bole_stats["verify_commit_s"] += dt
         self._bole_metrics.observe("vllm:bole_verify_commit_seconds", dt)
@@ -494,11 +494,13 @@ class TreeRunnerMixin:
             + [ib.block_table[gid].block_table.cpu[rows, 0].long() for gid in self._bole_recurrent], dev)
         block_tables = dict(zip(groups, tables))
         state_slots = dict(zip(self._bole_recurrent, tables[len(groups):]))
+        host_slots = {gid: ib.block_table[gid].block_table.cpu[rows, 0].tolist() for gid in self._bole_recurrent}
         return TreeStep(num_plain=P, tok_start=int(self.query_start_loc.cpu[P]), tree=tree, host_tree=host_tree,
                         prefix_len=prefix,
                         req_ids=[ib.req_ids[i] for i in rows], rows=rows, block_tables=block_tables,
                         state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain,
-                        max_kv_len=int(prefix_np.max()) + host_tree.max_nodes, kernels=self.bole_config.kernels)
+                        max_kv_len=int(prefix_np.max()) + host_tree.max_nodes, kernels=self.bole_config.kernels,
+                        state_slots_host=host_slots)
 
     def _bole_check_slots(self, step: TreeStep) -> None:
         """The KV slots vLLM writes the tree tokens to are the core's tree slots."""

@@ -11,7 +11,7 @@ slot per request).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ class TreeStep:
     chain_len: list[int]  # [Bt] depth of each tree's first-child chain (the drafter's greedy chain)
     max_kv_len: int  # host: the longest prefix + tree (tree attention sizes its grid from it, no device sync)
     kernels: str = "auto"  # core kernels: auto (Triton on CUDA, torch on CPU), torch, triton
+    state_slots_host: dict[int, list[int]] = field(default_factory=dict)  # state_slots on the host (bookkeeping)
 
     @property
     def num_tokens(self) -> int:
