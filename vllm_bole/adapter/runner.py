@@ -489,18 +489,18 @@ class TreeRunnerMixin:
         prefix_np = ib.num_computed_tokens_cpu[rows].astype(np.int64)
         # the step's per-request tables in one host-to-device copy
         groups = [g.group for g in self._bole_attention]
+        host_slots = [ib.block_table[gid].block_table.np[rows, 0] for gid in self._bole_recurrent]
         prefix, *tables = upload_many(
             [torch.from_numpy(prefix_np)] + [ib.block_table[g].block_table.cpu[rows] for g in groups]
-            + [ib.block_table[gid].block_table.cpu[rows, 0].long() for gid in self._bole_recurrent], dev)
+            + [torch.from_numpy(s.astype(np.int64)) for s in host_slots], dev)
         block_tables = dict(zip(groups, tables))
         state_slots = dict(zip(self._bole_recurrent, tables[len(groups):]))
-        host_slots = {gid: ib.block_table[gid].block_table.cpu[rows, 0].tolist() for gid in self._bole_recurrent}
         return TreeStep(num_plain=P, tok_start=int(self.query_start_loc.cpu[P]), tree=tree, host_tree=host_tree,
                         prefix_len=prefix,
                         req_ids=[ib.req_ids[i] for i in rows], rows=rows, block_tables=block_tables,
                         state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain,
                         max_kv_len=int(prefix_np.max()) + host_tree.max_nodes, kernels=self.bole_config.kernels,
-                        state_slots_host=host_slots)
+                        state_slots_host={gid: s.tolist() for gid, s in zip(self._bole_recurrent, host_slots)})
 
     def _bole_check_slots(self, step: TreeStep) -> None:
         """The KV slots vLLM writes the tree tokens to are the core's tree slots."""

@@ -48,10 +48,13 @@ class Mamba2Layer(RecurrentLayer):
         # dense once: the kernel and the commit's stash both read them so
         x, B, C = x.reshape(T, H, P).contiguous(), B.reshape(T, G, N).contiguous(), C.reshape(T, G, N).contiguous()
         dt = dt.contiguous()
+        dst = output[s : s + T]
+        direct = dst.dtype == x.dtype and dst.is_contiguous()  # the kernel writes the layer's output in place
         y = ssd_tree.ssd_tree_step(x, dt, layer.A, B, C, step.tree, self.state_view(), slots, self.pending_path(),
                                    D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True, dt_limit=(0.0, INF),
-                                   kernels=step.kernels, reset_pending=False)
-        output[s : s + T] = y.reshape(T, H * P).to(output.dtype)
+                                   out=dst.view(T, H, P) if direct else None, kernels=step.kernels, reset_pending=False)
+        if not direct:
+            dst.copy_(y.reshape(T, H * P))
         self.save(step, slots, xBC, x=x, dt=dt, B=B)
 
     def state_view(self) -> torch.Tensor:
