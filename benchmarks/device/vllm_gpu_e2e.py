@@ -159,6 +159,8 @@ def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS) -> dict:
                        step_ms=1000 * o["generate_s"] / max(st["steps"], 1),
                        ar_step_ms=1000 * b["generate_s"] / (MAX_TOKENS + 1), streams_identical=v.identical,
                        streams=v.streams, partings=v.partings, engine_start_s=ours["start_s"],
+                       jit_warnings=ours.get("jit_warnings"),
+                       warm_up=[ln[ln.find("vllm-bole"):] for ln in ours.get("plugin_lines", []) if "warmed up" in ln],
                        tree_steps=st["tree_steps"], drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                        verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
                        draft_ms=1000 * st["draft_s"] / max(st["steps"], 1), branch_by_depth=st.get("branch_by_depth"))
@@ -273,7 +275,7 @@ def part_soak(models: dict, seconds: float, checked: int = 120, among: int = 300
                 tokens=sum(len(r["tokens"]) for r in reqs.values()), greedy=len(greedy),
                 unfinished=len(errors), tree_steps=job["stats"]["tree_steps"], accepted=job["stats"]["accepted"],
                 memory_bytes_min=min(mem) if mem else None, memory_bytes_max=max(mem) if mem else None,
-                memory_flat=flat, memory=job["memory"])
+                memory_flat=flat, memory=job["memory"], jit_warnings=ours.get("jit_warnings"))
     if "error" in alone:
         soak.update(ok=False, error=alone["error"])
     else:

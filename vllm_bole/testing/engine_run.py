@@ -143,6 +143,8 @@ def run_engine(model_dir, jobs: list[dict], *, spec: dict | None = None, llm_kwa
     result["seconds"] = time.monotonic() - t0
     result["log"] = tail(log, 3000)
     result["plugin_lines"] = [ln for ln in log.splitlines() if "vllm-bole" in ln][:50]
+    # Triton kernels compiled while serving (vLLM's jit monitor), e.g. tree kernels the warm-up missed
+    result["jit_warnings"] = sum("JIT compilation during inference" in ln for ln in log.splitlines())
     return result
 
 
