@@ -9,7 +9,9 @@ inference"). :func:`warm_up_tree_kernels` drives whole tree steps through the mo
 each shape of :func:`warmup_shapes`, vLLM's ``_dummy_run`` forward with a synthetic
 :class:`~vllm_bole.adapter.tree_step.TreeStep` active (so every layer override runs its tree path),
 then greedy verification of a tree whose whole first-child chain is accepted and the commit; each
-shape twice, so the second step folds the first one's stashed path; then a flush.
+shape twice, so the second step folds the first one's stashed path; then a flush. 16-bit models
+also run the size classes tree attention autotunes by (:func:`warmup_shapes`), so no request
+waits for a tuning run either.
 
 Everything lands on KV block 0 / state slot 0, vLLM's null block, which no request owns; the null
 block's states and K/V are zeroed afterwards and nothing stays pending. Decision: always on under
@@ -36,16 +38,24 @@ NODE_CLASSES = (2, 16, 32, 64, 128, 256)  # the kernels' node tiles change at th
 SPLIT_PREFIX = 4096  # a prefix long enough for tree attention's split-K path (small batches)
 
 
-def warmup_shapes(budget: int, max_tokens: int, max_model_len: int) -> list[tuple[int, int, int]]:
+def warmup_shapes(budget: int, max_tokens: int, max_model_len: int, max_requests: int = 1,
+                  tune: bool = False) -> list[tuple[int, int, int]]:
     """(requests, nodes per request, prefix length) of the warm-up steps: every node class up to
     ``budget + 1`` nodes, one and three requests (token counts of both parities of 16), and one
-    long-prefix step; none over ``max_tokens`` tokens or ``max_model_len``."""
+    long-prefix step (the kernels' compiled variants). ``tune`` (16-bit models, whose tree attention
+    autotunes once per size class: requests x heads x nodes and prefix + nodes, each in steps of 4x)
+    adds the largest trees at 1, 4, 16, ... requests (up to ``max_requests``) x prefixes 16, 64, 256, ...
+    None over ``max_tokens`` tokens or ``max_model_len``."""
     top = budget + 1
     sizes = sorted({min(top, s) for s in NODE_CLASSES} | {top})
     shapes = [(b, n, 1) for n in sizes for b in (1, 3) if b * n <= max_tokens and n + 1 <= max_model_len]
     prefix = min(SPLIT_PREFIX, max_model_len - top)
     if prefix > 1 and top <= max_tokens:
         shapes.append((1, top, prefix))
+    if tune:
+        batches = [4**i for i in range(12) if 4**i <= max_requests and 4**i * top <= max_tokens]
+        prefixes = [4**i for i in range(2, 12) if 4**i + top <= max_model_len]
+        shapes += [(b, top, p) for b in batches for p in prefixes if (b, top, p) not in shapes]
     return shapes
 
 
@@ -115,7 +125,8 @@ def warm_up_tree_kernels(runner) -> dict:
     Returns {shapes: [(requests, nodes, prefix)], seconds}."""
     runner._bole_install_layers()
     t0 = time.perf_counter()
-    shapes = warmup_shapes(runner.bole_config.num_speculative_tokens, runner.max_num_tokens, runner.max_model_len)
+    shapes = warmup_shapes(runner.bole_config.num_speculative_tokens, runner.max_num_tokens, runner.max_model_len,
+                           runner.scheduler_config.max_num_seqs, tune=runner.model_config.dtype != torch.float32)
     for requests, nodes, prefix in shapes:
         for _ in range(2):  # the second step folds the path the first one stashed
             _step(runner, requests, nodes, prefix)
