@@ -10,8 +10,8 @@ each shape of :func:`warmup_shapes`, vLLM's ``_dummy_run`` forward with a synthe
 :class:`~vllm_bole.adapter.tree_step.TreeStep` active (so every layer override runs its tree path),
 then greedy verification of a tree whose whole first-child chain is accepted and the commit; each
 shape twice, so the second step folds the first one's stashed path; then a flush. 16-bit models
-also run the size classes tree attention autotunes by (:func:`warmup_shapes`), so no request
-waits for a tuning run either.
+also run, once each, the size classes tree attention autotunes by (:func:`tuning_shapes`), so no
+request waits for a tuning run either.
 
 Everything lands on KV block 0 / state slot 0, vLLM's null block, which no request owns; the null
 block's states and K/V are zeroed afterwards and nothing stays pending. Decision: always on under
@@ -38,25 +38,28 @@ NODE_CLASSES = (2, 16, 32, 64, 128, 256)  # the kernels' node tiles change at th
 SPLIT_PREFIX = 4096  # a prefix long enough for tree attention's split-K path (small batches)
 
 
-def warmup_shapes(budget: int, max_tokens: int, max_model_len: int, max_requests: int = 1,
-                  tune: bool = False) -> list[tuple[int, int, int]]:
-    """(requests, nodes per request, prefix length) of the warm-up steps: every node class up to
-    ``budget + 1`` nodes, one and three requests (token counts of both parities of 16), and one
-    long-prefix step (the kernels' compiled variants). ``tune`` (16-bit models, whose tree attention
-    autotunes once per size class: requests x heads x nodes and prefix + nodes, each in steps of 4x)
-    adds the largest trees at 1, 4, 16, ... requests (up to ``max_requests``) x prefixes 16, 64, 256, ...
-    None over ``max_tokens`` tokens or ``max_model_len``."""
+def warmup_shapes(budget: int, max_tokens: int, max_model_len: int) -> list[tuple[int, int, int]]:
+    """(requests, nodes per request, prefix length) of the steps that compile the kernels' variants:
+    every node class up to ``budget + 1`` nodes, one and three requests (token counts of both
+    parities of 16), and one long-prefix step; none over ``max_tokens`` tokens or ``max_model_len``."""
     top = budget + 1
     sizes = sorted({min(top, s) for s in NODE_CLASSES} | {top})
     shapes = [(b, n, 1) for n in sizes for b in (1, 3) if b * n <= max_tokens and n + 1 <= max_model_len]
     prefix = min(SPLIT_PREFIX, max_model_len - top)
     if prefix > 1 and top <= max_tokens:
         shapes.append((1, top, prefix))
-    if tune:
-        batches = [4**i for i in range(12) if 4**i <= max_requests and 4**i * top <= max_tokens]
-        prefixes = [4**i for i in range(2, 12) if 4**i + top <= max_model_len]
-        shapes += [(b, top, p) for b in batches for p in prefixes if (b, top, p) not in shapes]
     return shapes
+
+
+def tuning_shapes(budget: int, max_tokens: int, max_model_len: int, max_requests: int,
+                  exclude=()) -> list[tuple[int, int, int]]:
+    """The steps that run 16-bit tree attention's autotuning once per size class (requests x heads x
+    nodes and prefix + nodes, each in steps of 4x): the largest trees at 1, 4, 16, ... requests (up to
+    ``max_requests``) x prefixes 16, 64, 256, ...; none in ``exclude`` or over the limits."""
+    top = budget + 1
+    batches = [4**i for i in range(12) if 4**i <= max_requests and 4**i * top <= max_tokens]
+    prefixes = [4**i for i in range(2, 12) if 4**i + top <= max_model_len]
+    return [(b, top, p) for b in batches for p in prefixes if (b, top, p) not in exclude]
 
 
 def warmup_tree(requests: int, nodes: int, depth: int) -> TreeBatch:
@@ -68,14 +71,16 @@ def warmup_tree(requests: int, nodes: int, depth: int) -> TreeBatch:
     return TreeBatch.from_parents([parents] * requests, [list(range(nodes))] * requests)
 
 
-def chain_logits(tree: TreeBatch, vocab: int, device) -> torch.Tensor:
-    """[T, vocab] float32 logits whose greedy verification accepts each tree's first-child chain
-    (node ``p``'s argmax is its first child's token, ``p + 1`` on :func:`warmup_tree`'s chain)."""
+def chain_logits(tree: TreeBatch, device) -> torch.Tensor:
+    """[T, max_nodes + 1] float32 logits whose greedy verification accepts each tree's first-child
+    chain (node ``p``'s argmax is its first child's token, ``p + 1`` on :func:`warmup_tree`'s chain).
+    Verification reads only their argmax, so the width covers the trees' tokens, not the vocabulary
+    (which would be [T, 150k] at the largest warm-up step)."""
     T = tree.num_nodes
-    logits = torch.zeros(T, vocab, dtype=torch.float32)
+    logits = torch.zeros(T, tree.max_nodes + 1, dtype=torch.float32)
     local = torch.arange(T) - tree.cu_nodes[:-1].long()[tree.request_index.long()]
     on_chain = tree.depth.long() == local  # the chain's nodes are 0..chain, each at its own depth
-    logits[torch.arange(T)[on_chain], (local[on_chain] + 1) % vocab] = 1.0
+    logits[torch.arange(T)[on_chain], local[on_chain] + 1] = 1.0
     return upload(logits, device)
 
 
@@ -101,7 +106,7 @@ def _step(runner, requests: int, nodes: int, prefix: int) -> None:
         runner._dummy_run(host.num_nodes, cudagraph_runtime_mode=CUDAGraphMode.NONE)
     finally:
         runner._bole_active.step = None
-    logits = chain_logits(host, runner.model_config.get_vocab_size(), dev)
+    logits = chain_logits(host, dev)
     result = verify_tree(tree, logits, None, kernels=cfg.kernels)
     commit(runner._bole_attention + [layer for layers in runner._bole_recurrent.values() for layer in layers],
            tree, result)
@@ -125,14 +130,19 @@ def warm_up_tree_kernels(runner) -> dict:
     Returns {shapes: [(requests, nodes, prefix)], seconds}."""
     runner._bole_install_layers()
     t0 = time.perf_counter()
-    shapes = warmup_shapes(runner.bole_config.num_speculative_tokens, runner.max_num_tokens, runner.max_model_len,
-                           runner.scheduler_config.max_num_seqs, tune=runner.model_config.dtype != torch.float32)
-    for requests, nodes, prefix in shapes:
+    limits = (runner.bole_config.num_speculative_tokens, runner.max_num_tokens, runner.max_model_len)
+    compile_ = warmup_shapes(*limits)
+    tune = tuning_shapes(*limits, runner.scheduler_config.max_num_seqs, exclude=compile_) \
+        if runner.model_config.dtype != torch.float32 else []
+    for requests, nodes, prefix in compile_:
         for _ in range(2):  # the second step folds the path the first one stashed
             _step(runner, requests, nodes, prefix)
+    for requests, nodes, prefix in tune:  # the kernels are compiled by now: once each
+        _step(runner, requests, nodes, prefix)
+    shapes = compile_ + tune
     _clear_null_block(runner)
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
     dt = time.perf_counter() - t0
-    logger.info("vllm-bole: tree-step kernels warmed up in %.1f s (%d tree shapes, each twice)", dt, len(shapes))
+    logger.info("vllm-bole: tree-step kernels warmed up in %.1f s (%d tree shapes)", dt, len(shapes))
     return dict(shapes=shapes, seconds=dt)

@@ -6,8 +6,9 @@ After verification, :meth:`RecurrentLayer.commit` rolls the conv state along the
 place and stashes the accepted path's own recurrent inputs (at most ``depth + 1`` tokens) into
 ``pending``; the request's next tree step folds them into its state (one state read + one write
 per step). The tree steps leave the pending lengths alone (``reset_pending=False``): the stash
-that follows every tree step sets the length of each of its slots (the root is always accepted). Before any other forward could read a state that still has a pending path (the request
-is not verified as a tree this step, finishes, or is preempted), the runner calls :meth:`flush`.
+that follows every tree step sets the length of each of its slots (the root is always accepted).
+Before any other forward could read a state that still has a pending path (the request is not
+verified as a tree this step, finishes, or is preempted), the runner calls :meth:`flush`.
 """
 from __future__ import annotations
 
