@@ -17,7 +17,7 @@ marginals (BASTION-like: softmax(3 * randn(6)) per depth, a spine plus side bran
 <= 16; N=64 gives about 20 leaves, longest path about 11, 143 branch tokens; N=16: 5 leaves).
 
 Methods (each timed as one CUDA graph replay, median of triton.testing.do_bench, L2 flushed):
-  ours        ``tree_attention`` (Triton kernel, autotuned, split-K when the grid is small);
+  ours        ``tree_attention`` (Triton kernel, the tile of its fixed rule, split-K when the grid is small);
   per_branch  every root-to-leaf path as its own causal query over the shared prefix: our own
               kernel on a chain batch (one request per branch whose block table shares the
               prefix's blocks; the partial last prefix block and the path's K/V are copied to
@@ -285,24 +285,24 @@ def time_row(B, N, P, seed, ceil, timer, device, dtype, sweep=False):
     variant, fn = pick_sdpa(s)
     row["sdpa_ms"] = timer(fn)
     row["floor_ms"] = floor
-    splits = None
+    splits = tile = None
     if device.type == "cuda":
-        from csrc_triton.tree_attention import choose_num_splits
+        from csrc_triton.tree_attention import choose_num_splits, gpu_tile
 
         splits = choose_num_splits(B, HKV, N, 8, P + N, c["q"].device)
+        tile = gpu_tile(P + N, 8) if dtype != torch.float32 else None
     row.update(
-        floor_bound=bound, bytes=nbytes, flops=flops, num_splits=splits, sdpa_variant=variant,
+        floor_bound=bound, bytes=nbytes, flops=flops, num_splits=splits, tile=tile, sdpa_variant=variant,
         branches=br["num_branches"], branch_tokens=br["branch_tokens"], max_depth=int(c["tree_cpu"].depth.max()),
         ours_tflops=flops / (row["ours_ms"] * 1e-3) / 1e12, ours_x_floor=row["ours_ms"] / floor,
         per_branch_x=row["per_branch_ms"] / row["ours_ms"], sdpa_x=row["sdpa_ms"] / row["ours_ms"],
     )
     if sweep and device.type == "cuda":
-        from csrc_triton.tree_attention import _gpu_configs
+        from csrc_triton.tree_attention import GPU_TILES
 
         row["sweep"] = []
-        for cfg in _gpu_configs():
-            kw = dict(block_m=cfg.kwargs["BLOCK_M"], block_n=cfg.kwargs["BLOCK_N"], num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, swap=cfg.kwargs["SWAP"])
+        for bm, bn, warps, stages, swap in GPU_TILES:
+            kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, swap=swap)
             try:
                 ms = timer(ours_fn(c, out, **kw))
             except Exception as e:  # out of resources etc.
@@ -372,9 +372,6 @@ def main():
         print(f"B={B:3d} N={N:3d} prefix={P:6d}: ours {row['ours_ms']:.4f} ms, per-branch {row['per_branch_ms']:.4f}, "
               f"sdpa {row['sdpa_ms']:.4f} ({row['sdpa_variant']}), floor {row['floor_ms']:.4f} ({row['floor_bound']}) "
               f"[{time.time() - t_start:.0f} s]", flush=True)
-    from csrc_triton.tree_attention import _tree_attn_fwd_tuned
-
-    tuned = {str(k): str(v) for k, v in getattr(_tree_attn_fwd_tuned, "cache", {}).items()}
     tgt = [r for r in rows if (r["B"], r["N"], r["prefix"]) == (TARGET["B"], TARGET["N"], TARGET["prefix"])]
     targets = {}
     if tgt:
@@ -384,7 +381,7 @@ def main():
     path = write_results(
         "tree_attention.json", rows,
         {"ceilings": ceil, "checks": checks, "checks_ok": all_ok, "bf16_tolerance_rel_fro": BF16_TOL,
-         "page_size": PAGE, "heads": {"q": HQ, "kv": HKV, "dim": HEAD_DIM}, "autotuned": tuned, "targets": targets,
+         "page_size": PAGE, "heads": {"q": HQ, "kv": HKV, "dim": HEAD_DIM}, "targets": targets,
          "wall_s": time.time() - t_start},
     )
     if tgt and "sweep" in tgt[0]:

@@ -21,8 +21,7 @@ Tree attention kernel (``_tree_attn_fwd``), flash-decoding style:
     tiles run without masks; the remaining tiles (the prefix's tail and the tree) apply
     "key < prefix_len  or  bit (key - prefix_len) of anc_mask[node]";
   * online softmax in fp32 with exp2 (scale * log2 e folded into the scores);
-  * two forms of one online-softmax body (``_attend``, oriented by ``_outer``), picked by the
-    autotuner: rows (S = Q K^T, [M, keys]; on Hopper q stays in shared memory as wgmma's A
+  * two forms of one online-softmax body (``_attend``, oriented by ``_outer``): rows (S = Q K^T, [M, keys]; on Hopper q stays in shared memory as wgmma's A
     operand, P is the register A operand of P V) and swapped (S^T = K Q^T, acc^T = V^T P^T),
     the usual trick for small M;
   * optional split-K over the key range (for small batches): each split writes an unnormalised
@@ -195,7 +194,7 @@ def _attn_body(
         tl.store(Out + t_r * stride_ot + head_r * stride_oh + d_c, (acc / l_b).to(Out.dtype.element_ty), mask=ok_r & dm_c)
 
 
-@triton.jit(do_not_specialize=["tune_bucket"])
+@triton.jit
 def _tree_attn_fwd(
     Q,  # [T, Hq, D]
     K_cache,  # [num_blocks, block_size, Hkv, D] (strided)
@@ -211,7 +210,6 @@ def _tree_attn_fwd(
     qk_scale,  # softmax scale * log2(e)
     num_kv_heads,
     split_keys,  # keys per split (multiple of BLOCK_N)
-    tune_bucket,  # unused by the kernel: a coarse problem-size class for the autotuner's key
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
     PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -278,37 +276,33 @@ def _tree_attn_reduce(
     tl.store(Out + t * stride_ot + head * stride_oh + offs_d, o.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _gpu_configs():
-    """(BLOCK_M, BLOCK_N, warps, stages, SWAP), chosen by compiling for sm_90 on a machine without
-    a GPU (Triton 3.9, head dim 256, bf16): all use wgmma with q from shared memory and cp.async
-    gathers; registers / spill bytes: (64,32,8,3) 218/0, (128,16,8,3) 230/0, (64,16,4,3) 244/0,
-    (128,32,8,3) 255/16, (64,32,4,3) 255/32, (64,64,8,2) 255/48, swapped (64,32,4,2) 254/0.
-    Larger tiles spill hundreds of bytes or exceed 227 KB of shared memory."""
-    cfgs = []
-    for bm, bn, w, st, swap in [
-        (64, 32, 8, 3, False),
-        (128, 16, 8, 3, False),
-        (64, 16, 4, 3, False),
-        (128, 32, 8, 3, False),
-        (64, 32, 4, 3, False),
-        (64, 64, 8, 2, False),
-        (64, 32, 4, 2, True),
-    ]:
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SWAP": swap}, num_warps=w, num_stages=st))
-    return cfgs
+# (BLOCK_M, BLOCK_N, warps, stages, SWAP) that compile for sm_90 without spills (Triton 3.9, head dim
+# 256, bf16; registers / spill bytes): (64,32,8,3) 218/0, (128,16,8,3) 230/0, (64,16,4,3) 244/0,
+# (128,32,8,3) 255/16, (64,32,4,3) 255/32, (64,64,8,2) 255/48, swapped (64,32,4,2) 254/0. Larger tiles
+# spill hundreds of bytes or exceed 227 KB of shared memory. The benchmark sweeps them.
+GPU_TILES = (
+    (64, 32, 8, 3, False),
+    (128, 16, 8, 3, False),
+    (64, 16, 4, 3, False),
+    (128, 32, 8, 3, False),
+    (64, 32, 4, 3, False),
+    (64, 64, 8, 2, False),
+    (64, 32, 4, 2, True),
+)
+LONG_KEYS = 256  # from this many keys (prefix + tree) 16-bit inputs take 32-key tiles
 
 
-def _prune(configs, named_args, **kwargs):
-    g_pad = kwargs.get("G_PAD", named_args.get("G_PAD"))
-    keep = [c for c in configs if c.kwargs["BLOCK_M"] >= g_pad]
-    return keep or [triton.Config({"BLOCK_M": g_pad, "BLOCK_N": 16, "SWAP": False}, num_warps=8, num_stages=2)]
+def gpu_tile(max_kv_len: int, g_pad: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of 16-bit inputs on the GPU: a fixed rule, no autotuning.
 
+    Decision: Triton's autotuner benchmarks every candidate at the first launch of each key, and the
+    tree step's shapes (requests, nodes, prefix) change every step: on the H200 (46e7407) a trained pair
+    at 32 requests re-tuned for 1-7 s at new size classes in the middle of serving, whatever the
+    warm-up had covered. Its picks there were (64, 16, 4, 3) below 256 keys and mostly (64, 32, 4, 3)
+    above, which this rule takes; a kernel variant is then a (BLOCK_N, split) pair that the engine's
+    warm-up compiles once."""
+    return max(64, g_pad), (32 if max_kv_len >= LONG_KEYS else 16), 4, 3
 
-_tree_attn_fwd_tuned = triton.autotune(
-    configs=_gpu_configs(),
-    key=["HEAD_PAD", "G_PAD", "SPLIT", "PAGE_SIZE", "IEEE", "tune_bucket"],
-    prune_configs_by={"early_config_prune": _prune},
-)(_tree_attn_fwd)
 
 # Split-K granularity: every split is a multiple of this many keys (a multiple of every BLOCK_N).
 SPLIT_ALIGN = 128
@@ -356,9 +350,8 @@ def tree_attention_triton(
     ``max_nodes`` / ``max_kv_len`` (host ints: the largest tree and largest prefix + tree of the
     batch; upper bounds are fine) size the grid and the splits without a device sync.
     ``block_m`` / ``block_n`` (and ``num_warps`` / ``num_stages``) force a tile (tests, sweeps);
-    otherwise autotuned on GPU for 16-bit inputs (keyed by head size, group, split, page size and a
-    coarse size class); fp32 inputs take (max(16, G_PAD), 16), and 16-bit ones (max(32, G_PAD), 16)
-    in the interpreter.
+    otherwise 16-bit inputs on the GPU take :func:`gpu_tile`'s tile, fp32 inputs (max(16, G_PAD), 16),
+    and 16-bit ones (max(32, G_PAD), 16) in the interpreter.
     """
     T, Hq, D = q.shape
     _, page_size, Hkv, Dk = key_cache.shape
@@ -372,16 +365,17 @@ def tree_attention_triton(
     if T == 0:
         return out
     ieee = q.dtype == torch.float32
-    # fp32 inputs (correctness paths) take one fixed tile, no autotuning: big fp32 tiles spill kilobytes
-    # and compile for a minute, and a single candidate would still be benchmarked once per size class
-    fixed_tile = block_m is not None or INTERPRET or ieee
-    assert not swap or fixed_tile, "swap is an autotuned choice unless the tile is forced"
-    bm = block_m if block_m is not None else max(16 if ieee else 32, G_PAD)
-    bn = block_n if block_n is not None else 16
+    # fp32 inputs (correctness paths) take a small tile: big fp32 tiles spill kilobytes and compile for a minute
+    rule = block_m is None and q.is_cuda and not (INTERPRET or ieee)
+    if rule:
+        bm, bn, warps, stages = gpu_tile(max_kv_len, G_PAD)
+    else:
+        bm, bn, warps, stages = block_m or max(16 if ieee else 32, G_PAD), 16, 4, (1 if ieee else 2)
+    bn, warps, stages = block_n or bn, num_warps or warps, num_stages or stages
     S = num_splits if num_splits is not None else choose_num_splits(B, Hkv, max_nodes, G_PAD, max_kv_len, q.device)
     split_keys = 0
     if S > 1:
-        align = bn if fixed_tile else SPLIT_ALIGN  # splits start on tile boundaries
+        align = SPLIT_ALIGN if rule else bn  # splits start on tile boundaries
         split_keys = triton.cdiv(triton.cdiv(max_kv_len, S), align) * align
         S = triton.cdiv(max_kv_len, split_keys)
     split = S > 1
@@ -391,11 +385,10 @@ def tree_attention_triton(
     else:
         part_acc = torch.empty(1, 1, 1, 1, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(1, 1, 1, 2, device=q.device, dtype=torch.float32)
-    tune_bucket = (max(B * Hq * max_nodes, 1).bit_length() // 2) * 64 + max(max_kv_len, 1).bit_length() // 2
     args = (
         q, key_cache, value_cache, out, block_table, prefix_len, cu_nodes,
         num_keys if num_keys is not None else cu_nodes, anc_mask, part_acc, part_ml,
-        float(scale) * _LOG2E, Hkv, split_keys, tune_bucket,
+        float(scale) * _LOG2E, Hkv, split_keys,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -405,16 +398,9 @@ def tree_attention_triton(
     )
     consts = dict(PAGE_SIZE=page_size, G=G, G_PAD=G_PAD, HEAD_DIM=D, HEAD_PAD=HEAD_PAD, SPLIT=split, IEEE=ieee,
                   HAS_NUM_KEYS=num_keys is not None)
-    if fixed_tile:
-        assert bm >= G_PAD and bm >= 16 and bn >= 16 and (bm & (bm - 1)) == 0 and (bn & (bn - 1)) == 0
-        grid = (triton.cdiv(max_nodes, bm // G_PAD), B * Hkv, S)
-        _tree_attn_fwd[grid](
-            *args, **consts, BLOCK_M=bm, BLOCK_N=bn, SWAP=bool(swap), num_warps=num_warps or 4,
-            num_stages=num_stages or (1 if ieee else 2),
-        )
-    else:
-        grid = lambda meta: (triton.cdiv(max_nodes, meta["BLOCK_M"] // G_PAD), B * Hkv, S)  # noqa: E731
-        _tree_attn_fwd_tuned[grid](*args, **consts)
+    assert bm >= G_PAD and bm >= 16 and bn >= 16 and (bm & (bm - 1)) == 0 and (bn & (bn - 1)) == 0
+    grid = (triton.cdiv(max_nodes, bm // G_PAD), B * Hkv, S)
+    _tree_attn_fwd[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, SWAP=bool(swap), num_warps=warps, num_stages=stages)
     if split:
         _tree_attn_reduce[(T, Hq)](
             part_acc, part_ml, out, S,

@@ -262,8 +262,10 @@ def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     _check_equal(arch, dict(tokens=base["tokens"]), ours)
     (warm,) = ours["warm_up"]  # one worker
     print(f"{arch} warm-up: {warm}")
-    assert [n for _, n, _ in warm["shapes"]] == [2, 2, BUDGET + 1, BUDGET + 1, BUDGET + 1]
-    assert warm["shapes"][-1][2] > 1  # the long-prefix step
+    top = BUDGET + 1
+    sizes = [n for n in (2, 4, 8, 16, 32, 64, 128, 256) if n < top] + [top]  # every power-of-two tile, the budget
+    assert [(r, n) for r, n, _ in warm["shapes"]] == [(r, n) for n in sizes for r in (1, 3)] + [(1, top)] * 2
+    assert [p for _, _, p in warm["shapes"][-2:]] == [256, 512 - top]  # long-key tiles: plain, then split-K
 
 
 def test_soak_greedy_requests_equal_alone(models):

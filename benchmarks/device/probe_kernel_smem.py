@@ -93,12 +93,11 @@ def attention_cases():
     from csrc_triton import tree_attention as A
 
     for dt in ("bf16", "fp32"):
-        cfgs = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["SWAP"])
-                for c in A._gpu_configs()] if dt == "bf16" else [(16, 16, 4, 1, False)]
+        cfgs = list(A.GPU_TILES) if dt == "bf16" else [(16, 16, 4, 1, False)]
         for bm, bn, w, st, swap in cfgs:
             sig = dict(Q=f"*{dt}", K_cache=f"*{dt}", V_cache=f"*{dt}", Out=f"*{dt}", Block_table="*i32",
                        Prefix_len="*i32", Cu_nodes="*i32", Anc_mask="*i32", Part_acc="*fp32", Part_ml="*fp32",
-                       qk_scale="fp32", num_kv_heads="i32", split_keys="i32", tune_bucket="i32",
+                       qk_scale="fp32", num_kv_heads="i32", split_keys="i32",
                        **{f"stride_{n}": "i64" for n in ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "vb", "vs", "vh",
                                                         "bt", "anc", "ps", "pt", "ph", "ms", "mt", "mh")})
             ce = dict(PAGE_SIZE=16, G=8, G_PAD=8, HEAD_DIM=256, HEAD_PAD=256, SPLIT=False, IEEE=dt == "fp32",

@@ -9,9 +9,9 @@ inference"). :func:`warm_up_tree_kernels` drives whole tree steps through the mo
 each shape of :func:`warmup_shapes`, vLLM's ``_dummy_run`` forward with a synthetic
 :class:`~vllm_bole.adapter.tree_step.TreeStep` active (so every layer override runs its tree path),
 then greedy verification of a tree whose whole first-child chain is accepted and the commit; each
-shape twice, so the second step folds the first one's stashed path; then a flush. 16-bit models
-also run, once each, the size classes tree attention autotunes by (:func:`tuning_shapes`), so no
-request waits for a tuning run either.
+shape twice, so the second step folds the first one's stashed path; then a flush. Nothing is
+autotuned while serving (tree attention picks its tile by a fixed rule, ``csrc_triton.tree_attention.
+gpu_tile``), so these variants are all there is to compile.
 
 Everything lands on KV block 0 / state slot 0, vLLM's null block, which no request owns; the null
 block's states and K/V are zeroed afterwards and nothing stays pending. Decision: always on under
@@ -34,32 +34,26 @@ from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.transfer import upload
 
 logger = logging.getLogger("vllm_bole")
-NODE_CLASSES = (2, 16, 32, 64, 128, 256)  # the kernels' node tiles change at these sizes
+# the kernels' node tiles: powers of two of the largest tree (greedy verification and Mamba1 from 2 on,
+# the stash by the accepted path's length, GDN / SSD from 16 on)
+NODE_CLASSES = (2, 4, 8, 16, 32, 64, 128, 256)
 SPLIT_PREFIX = 4096  # a prefix long enough for tree attention's split-K path (small batches)
 
 
 def warmup_shapes(budget: int, max_tokens: int, max_model_len: int) -> list[tuple[int, int, int]]:
     """(requests, nodes per request, prefix length) of the steps that compile the kernels' variants:
     every node class up to ``budget + 1`` nodes, one and three requests (token counts of both
-    parities of 16), and one long-prefix step; none over ``max_tokens`` tokens or ``max_model_len``."""
+    parities of 16), and tree attention's long-key tile without and with split-K (prefixes of
+    ``LONG_KEYS`` and ``SPLIT_PREFIX``); none over ``max_tokens`` tokens or ``max_model_len``."""
+    from csrc_triton.tree_attention import LONG_KEYS  # lazily, as the kernels (TRITON_INTERPRET is read at import)
+
     top = budget + 1
     sizes = sorted({min(top, s) for s in NODE_CLASSES} | {top})
     shapes = [(b, n, 1) for n in sizes for b in (1, 3) if b * n <= max_tokens and n + 1 <= max_model_len]
-    prefix = min(SPLIT_PREFIX, max_model_len - top)
-    if prefix > 1 and top <= max_tokens:
-        shapes.append((1, top, prefix))
+    for prefix in sorted({min(p, max_model_len - top) for p in (LONG_KEYS, SPLIT_PREFIX)}):
+        if prefix > 1 and top <= max_tokens:
+            shapes.append((1, top, prefix))
     return shapes
-
-
-def tuning_shapes(budget: int, max_tokens: int, max_model_len: int, max_requests: int,
-                  exclude=()) -> list[tuple[int, int, int]]:
-    """The steps that run 16-bit tree attention's autotuning once per size class (requests x heads x
-    nodes and prefix + nodes, each in steps of 4x): the largest trees at 1, 4, 16, ... requests (up to
-    ``max_requests``) x prefixes 16, 64, 256, ...; none in ``exclude`` or over the limits."""
-    top = budget + 1
-    batches = [4**i for i in range(12) if 4**i <= max_requests and 4**i * top <= max_tokens]
-    prefixes = [4**i for i in range(2, 12) if 4**i + top <= max_model_len]
-    return [(b, top, p) for b in batches for p in prefixes if (b, top, p) not in exclude]
 
 
 def warmup_tree(requests: int, nodes: int, depth: int) -> TreeBatch:
@@ -131,15 +125,10 @@ def warm_up_tree_kernels(runner) -> dict:
     runner._bole_install_layers()
     t0 = time.perf_counter()
     limits = (runner.bole_config.num_speculative_tokens, runner.max_num_tokens, runner.max_model_len)
-    compile_ = warmup_shapes(*limits)
-    tune = tuning_shapes(*limits, runner.scheduler_config.max_num_seqs, exclude=compile_) \
-        if runner.model_config.dtype != torch.float32 else []
-    for requests, nodes, prefix in compile_:
+    shapes = warmup_shapes(*limits)
+    for requests, nodes, prefix in shapes:
         for _ in range(2):  # the second step folds the path the first one stashed
             _step(runner, requests, nodes, prefix)
-    for requests, nodes, prefix in tune:  # the kernels are compiled by now: once each
-        _step(runner, requests, nodes, prefix)
-    shapes = compile_ + tune
     _clear_null_block(runner)
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)

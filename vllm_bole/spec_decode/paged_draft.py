@@ -359,7 +359,7 @@ class PagedDraftModel:
             def run():
                 self._step(bufs, steps, self.width * self.pool.page_size)
 
-            side = torch.cuda.Stream(dev)  # warm-up (autotuning) outside the capture, as torch recommends
+            side = torch.cuda.Stream(dev)  # warm-up (compilation) outside the capture, as torch recommends
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 run()
