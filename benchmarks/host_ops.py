@@ -14,6 +14,11 @@ Triton launch each: the interpreter's launches would count its own copies instea
 ``verify_commit`` (sampling constraints, verification, commit, bookkeeping), ``draft`` (drafting and
 the best-first trees). Writes ``host_ops.json``: per phase operations per tree step and the top
 source lines.
+
+``--kernels triton`` (run with ``TRITON_INTERPRET=1``) takes the GPU's path instead of the torch twins:
+each Triton launch counts as one operation (``launches`` per phase beside), the interpreter's own work
+inside it as none; writes ``host_ops_triton.json``. This is the count the H200 dispatches per tree
+step, but for the host-to-device copies, which are no-ops on the CPU.
 """
 from __future__ import annotations
 
@@ -36,8 +41,11 @@ def main() -> None:
     ap.add_argument("--budget", default="8")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--kernels", choices=("auto", "triton"), default="auto")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    if args.kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--kernels triton: run with TRITON_INTERPRET=1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,6 +56,7 @@ def main() -> None:
             super().__init__()
             self.phase = None
             self.ops = collections.Counter()
+            self.launches = collections.Counter()
             self.where = collections.defaultdict(collections.Counter)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -67,7 +76,7 @@ def main() -> None:
         model = str(build_tiny_model("nemotron_h", Path.home() / ".cache" / "vllm_bole" / "tiny"))
     budget = args.budget if args.budget == "auto" else int(args.budget)
     spec = dict(method="bole_tree", num_speculative_tokens=budget if budget != "auto" else 16, budget=budget,
-                max_depth=6)
+                max_depth=6, kernels=args.kernels)
     spec.update(dict(drafter="ngram") if args.drafter == "ngram" else dict(drafter="draft_model", model=args.drafter))
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
               enable_prefix_caching=False, speculative_config=spec, gpu_memory_utilization=0.3)
@@ -111,6 +120,24 @@ def main() -> None:
                 name = "_tree_core" if hasattr(layer, "_tree_core") else "_tree_forward"
                 setattr(layer, name, counted(getattr(layer, name)))
 
+        if args.kernels == "triton":  # a launch is one operation; the interpreter's work inside it none
+            from triton.runtime import interpreter
+
+            run = interpreter.GridExecutor.__call__
+
+            def launch(self, *a, **k):
+                prev = cnt.phase
+                if prev is not None:
+                    cnt.ops[prev] += 1
+                    cnt.launches[prev] += 1
+                cnt.phase = None
+                try:
+                    return run(self, *a, **k)
+                finally:
+                    cnt.phase = prev
+
+            interpreter.GridExecutor.__call__ = launch
+
     llm.collective_rpc(install)
     st0 = llm.collective_rpc("bole_stats")[0]
     with cnt:
@@ -120,12 +147,13 @@ def main() -> None:
     phases = [p for _, p in PHASES] + [LAYER_PHASE]
     result = dict(model=model, drafter=args.drafter, budget=budget, batch=args.batch, tokens=args.tokens,
                   steps=steps, tree_steps=tree_steps, commit=os.environ.get("BOLE_COMMIT", "unknown"),
-                  ops_per_tree_step={p: round(cnt.ops[p] / max(tree_steps, 1), 1) for p in phases},
+                  kernels=args.kernels, ops_per_tree_step={p: round(cnt.ops[p] / max(tree_steps, 1), 1) for p in phases},
+                  launches_per_tree_step={p: round(cnt.launches[p] / max(tree_steps, 1), 1) for p in phases},
                   top_lines={p: [[k, round(v / max(tree_steps, 1), 1)] for k, v in cnt.where[p].most_common(15)]
                              for p in phases})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "host_ops.json").write_text(json.dumps(result, indent=1))
+    (out / ("host_ops.json" if args.kernels == "auto" else "host_ops_triton.json")).write_text(json.dumps(result, indent=1))
     print(f"{steps} steps, {tree_steps} tree steps; torch operations per tree step:",
           json.dumps(result["ops_per_tree_step"]))
 

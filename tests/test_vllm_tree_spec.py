@@ -268,6 +268,33 @@ def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     assert [p for _, _, p in warm["shapes"][-2:]] == [256, 512 - top]  # long-key tiles: plain, then split-K
 
 
+@pytest.mark.parametrize("arch", ["nemotron_h", "llama"])
+def test_block_drafter_greedy_equal(engines, models, arch, tmp_path):
+    """drafter 'block' (``spec_decode.block_drafter``: heads on the target's last hidden state, the target's
+    LM head): identical streams; every step after the prompt drafts from the hidden states of the rows that
+    emitted the roots (the trees' last accepted nodes, the plain requests' last tokens)."""
+    import json
+
+    import torch
+
+    from vllm_bole.spec_decode.block_drafter import BlockHead
+
+    hidden = json.loads((models[arch] / "config.json").read_text())["hidden_size"]
+    head = BlockHead(hidden, DEPTH)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(DEPTH, hidden, hidden, generator=g) / hidden**0.5)
+    head.save(str(tmp_path / "block"))
+    base = engines.run(arch, "base")["greedy"]
+    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS)],
+                              spec=spec_config("block", tmp_path / "block"))
+    ours = r["jobs"][0]
+    _check_equal(arch, dict(tokens=base["tokens"]), ours)
+    st = ours["stats"]
+    print(f"{arch} block drafter: {st['tree_steps']} tree steps, {st['drafted_nodes']} drafted, {st['accepted']} accepted")
+    assert st["tree_steps"] >= MAX_TOKENS // (DEPTH + 1) and st["drafted_nodes"] >= BUDGET * st["tree_steps"] // 2
+
+
 def test_soak_greedy_requests_equal_alone(models):
     """A short soak (``engine_run.soak_job``: random arrivals, random aborts, greedy and sampled requests
     with penalties and stop strings, a small cache, ``budget: "auto"``): every

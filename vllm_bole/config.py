@@ -9,8 +9,10 @@ Users pass it as vLLM's speculative config, e.g.::
 Fields (every other key is refused, with the list of allowed ones):
 
 * ``method``: ``"bole_tree"`` (selects this plugin; vLLM itself does not know the name).
-* ``drafter``: ``"ngram"`` (prompt lookup over the request's own tokens) or ``"draft_model"`` (a
-  separate small model with the target's tokenizer, path in ``model``).
+* ``drafter``: ``"ngram"`` (prompt lookup over the request's own tokens), ``"draft_model"`` (a
+  separate small model with the target's tokenizer, path in ``model``) or ``"block"`` (a one-pass
+  block drafter on the target's own last hidden state, checkpoint in ``model``:
+  :mod:`vllm_bole.spec_decode.block_drafter`; it drafts at most as deep as it was trained).
 * ``num_speculative_tokens``: the most draft nodes per request and step (the root excluded), 1-255.
   vLLM reserves this many KV slots per request beyond the bonus token; the tree has at most
   ``num_speculative_tokens + 1`` nodes.
@@ -30,7 +32,8 @@ Fields (every other key is refused, with the list of allowed ones):
 * ``top_k``: candidate children per node considered by the best-first builder (default: the
   budget, which makes the builder exact).
 * ``model``: draft model directory, a local checkpoint with the target's tokenizer (``drafter:
-  draft_model`` only; required there).
+  draft_model``), or the block drafter's checkpoint trained on this target (``drafter: block``);
+  required with those two, refused with ``ngram``.
 * ``draft_dtype``: ``"auto"`` (the draft checkpoint's dtype), ``"float32"``, ``"bfloat16"``,
   ``"float16"`` (``draft_model`` only).
 * ``draft_runtime``: how a ``draft_model`` drafter runs (``draft_model`` only): ``"auto"`` (default:
@@ -73,7 +76,7 @@ class TreeSpecConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "8" is not an integer
 
     method: Literal["bole_tree"]
-    drafter: Literal["ngram", "draft_model"]
+    drafter: Literal["ngram", "draft_model", "block"]
     num_speculative_tokens: int = Field(ge=1, le=MAX_NODES - 1)
     budget: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_NODES - 1)] = "auto"
     eps: float | None = Field(default=1.0, ge=0)
@@ -91,12 +94,13 @@ class TreeSpecConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TreeSpecConfig":
-        if self.drafter == "draft_model" and not self.model:
-            raise ValueError("model: required with drafter 'draft_model' (the draft model's directory or name)")
+        if self.drafter != "ngram" and not self.model:
+            raise ValueError(f"model: required with drafter '{self.drafter}' (its checkpoint directory)")
         if self.drafter == "ngram" and self.model:
-            raise ValueError("model: only allowed with drafter 'draft_model' (drafter is 'ngram')")
-        if self.drafter == "ngram" and self.draft_runtime != "auto":
-            raise ValueError("draft_runtime: only allowed with drafter 'draft_model' (drafter is 'ngram')")
+            raise ValueError("model: only allowed with drafter 'draft_model' or 'block' (drafter is 'ngram')")
+        for name in ("draft_runtime", "draft_dtype"):
+            if self.drafter != "draft_model" and getattr(self, name) != "auto":
+                raise ValueError(f"{name}: only allowed with drafter 'draft_model' (drafter is '{self.drafter}')")
         if self.draft_beam and (self.drafter != "draft_model" or self.draft_runtime == "transformers"):
             raise ValueError(f"draft_beam: {self.draft_beam} needs drafter 'draft_model' with draft_runtime 'auto' or "
                              f"'paged'; allowed otherwise: 0")

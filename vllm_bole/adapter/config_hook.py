@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 import os
 import tempfile
@@ -78,7 +79,21 @@ def _check_near_miss(spec) -> None:
 
 
 def _check_draft_model(cfg, target: str) -> None:
-    """The draft model must be a local checkpoint with the target's tokenizer (same vocabulary)."""
+    """The draft model must be a local checkpoint with the target's tokenizer (same vocabulary); a block
+    drafter a checkpoint of the target's hidden size."""
+    if cfg.drafter == "block":
+        from vllm_bole.spec_decode.block_drafter import check_block_dir
+
+        hidden = None
+        if os.path.isfile(os.path.join(target, "config.json")):
+            with open(os.path.join(target, "config.json")) as f:
+                hf = json.load(f)
+            hidden = hf.get("hidden_size") or hf.get("text_config", {}).get("hidden_size")
+        try:
+            check_block_dir(cfg.model, hidden)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return
     if cfg.drafter != "draft_model":
         return
     if not os.path.isfile(os.path.join(cfg.model, "config.json")):
