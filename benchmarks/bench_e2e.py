@@ -18,7 +18,8 @@ turns, HumanEval prompts, held-out ShareGPT first turns (chat template; ``pair_d
 
 Engines and cells (``ENGINES``): ``ar`` and ``vllm_chain`` (n-gram and ``draft_model`` at
 ``num_speculative_tokens`` in ``CHAIN_K``, a sweep; a mode vLLM refuses or fails on the hybrid is
-recorded with its error) decode every cell. One ``bole_tree`` engine per drafter sweeps the node
+recorded with its error) decode every cell. One ``bole_tree`` engine per drafter (the pair's block
+drafter first when it has one: ``pair/block``, then its draft model, then n-grams) sweeps the node
 budget in place (``bole_set_budget``; the same engine, so the same graphs and caches) over
 ``BUDGETS`` and ``budget: "auto"`` (the budget controller) cell by cell on the sweep cells (MT-Bench
 and HumanEval, greedy), then runs ``"auto"`` on every other cell. Order is by importance and every engine checks a deadline, so a
@@ -102,18 +103,21 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
-def spec_for(mode: str, drafter: str, draft: Path, k: int | None = None, beam: int = 0) -> dict | None:
+def spec_for(mode: str, drafter: str, pair: Path, k: int | None = None, beam: int = 0) -> dict | None:
+    """The engine's speculative config; the pair's draft model is ``pair/draft``, its block drafter ``pair/block``."""
     if mode == "ar":
         return None
     if mode == "vllm_chain":
         if drafter == "ngram":
             return dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=4)
-        return dict(method="draft_model", model=str(draft), num_speculative_tokens=k)
+        return dict(method="draft_model", model=str(pair / "draft"), num_speculative_tokens=k)
     cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=max(BUDGETS), max_depth=MAX_DEPTH)
     if mode == "bole_chain":
         cfg["top_k"] = 1
     if drafter == "draft_model":
-        cfg.update(model=str(draft), draft_beam=beam)
+        cfg.update(model=str(pair / "draft"), draft_beam=beam)
+    if drafter == "block":
+        cfg.update(model=str(pair / "block"))
     return cfg
 
 
@@ -125,14 +129,15 @@ def engines(part: str, quick: bool) -> list[dict]:
     trees = [dict(mode="ar", drafter="none", k=None, cells=[c + (None,) for c in full])]
     # per swept cell its fixed budgets and the controller side by side (a deadline leaves whole groups)
     grouped = [c + (b,) for c in sweep for b in budgets + ("auto",)] + [c + ("auto",) for c in full if c not in sweep]
-    trees += [dict(mode="bole_tree", drafter=d, k=None, cells=grouped) for d in ("draft_model", "ngram")]
+    trees += [dict(mode="bole_tree", drafter=d, k=None, cells=grouped) for d in ("block", "draft_model", "ngram")]
     # the same draft drafting its trees node by node (draft_beam): one engine, the sweep cells
-    trees.insert(2, dict(mode="bole_tree", drafter="draft_model", k=None, beam=DRAFT_BEAM,
+    trees.insert(3, dict(mode="bole_tree", drafter="draft_model", k=None, beam=DRAFT_BEAM,
                          cells=[c + (b,) for c in sweep for b in budgets + ("auto",)]))
     chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
-    chains.append(dict(mode="bole_chain", drafter="draft_model", k=None,
-                       cells=[c + (b,) for b in (budgets[:3] if not quick else budgets) for c in sweep]))
+    chains += [dict(mode="bole_chain", drafter=d, k=None,
+                    cells=[c + (b,) for b in (budgets[:3] if not quick else budgets) for c in sweep])
+               for d in ("block", "draft_model")]
     return dict(trees=trees, chains=chains, all=trees + chains)[part]
 
 
@@ -177,7 +182,7 @@ def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
 
 def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
     jobs = warmup_jobs(prompts, deadline) + [j for d, t, c, b in eng["cells"] for j in job(prompts, d, t, c, deadline, b)]
-    spec = spec_for(eng["mode"], eng["drafter"], args.draft, eng["k"], eng.get("beam", 0))
+    spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("beam", 0))
     base = dict(mode=eng["mode"], drafter=eng["drafter"], draft_beam=eng.get("beam", 0), budget=eng["k"])
     try:
         out = engine_run.run_engine(args.target, jobs, spec=spec, llm_kwargs=engine_kwargs(args),
@@ -342,6 +347,8 @@ def main() -> int:
     STORE.mkdir(parents=True, exist_ok=True)
     parts = {f.stem: json.loads(f.read_text()) for f in STORE.glob("*.json")}
     todo = [e for e in engines(args.part, args.quick) if not args.only or f"{e['mode']}/{e['drafter']}" in args.only]
+    if not (args.pair / "block" / "block_drafter.json").exists():  # a pair trained without its block drafter
+        todo = [e for e in todo if e["drafter"] != "block"]
     keep = [r for r in parts.get(args.part, {}).get("rows", []) if args.only and
             f"{r['mode']}/{r['drafter']}" not in args.only]
     parts[args.part] = dict(rows=keep, started=time.strftime("%H:%M:%S"))

@@ -139,7 +139,7 @@ def main() -> int:
     head = dict(target=str(target), draft=str(draft) if drafter == "draft_model" else None,
                 commit=os.environ.get("BOLE_COMMIT"), settings=vars(args))
     for mode in args.mode or ("ar", "vllm_chain", "bole_tree"):
-        spec = spec_for(mode, drafter, draft, args.chain_k)
+        spec = spec_for(mode, drafter, args.pair, args.chain_k)
         base_row = dict(mode=mode, drafter="none" if mode == "ar" else drafter)
         try:
             with serve_run.served(target, spec=spec, eager=args.cpu_dry_run,
