@@ -368,7 +368,7 @@ class TreeRunnerMixin:
         tlogits = logits[P:]
         # vLLM's sampler runs over every request of the batch (its metadata has a row each); a tree row's
         # draw is discarded, so a batch of trees alone skips it
-        plain = self.sampler(logits=torch.cat([logits[:P], tlogits[tree.cu_nodes[:-1].long()]]),
+        plain = self.sampler(logits=torch.cat([logits[:P], tlogits[tree.starts]]),
                              sampling_metadata=md) if P else None
         t0 = time.perf_counter()
         params = [self.requests[rid].sampling_params for rid in step.req_ids]

@@ -67,7 +67,7 @@ def kind_counts(tree: TreeBatch, accepted_nodes: torch.Tensor) -> torch.Tensor:
     parent = tree.parent_flat
     accepted = torch.zeros(T, dtype=torch.bool, device=dev)
     loc = accepted_nodes.to(dev).long()
-    start = tree.cu_nodes[:-1].long().to(dev)[:, None].expand_as(loc)
+    start = tree.starts.to(dev)[:, None].expand_as(loc)
     ok = loc >= 0
     accepted[(loc + start)[ok]] = True
     has_parent = parent >= 0

@@ -75,6 +75,11 @@ class TreeBatch:
         return self.cu_nodes[1:] - self.cu_nodes[:-1]
 
     @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """[B] int64: flat index of each request's root."""
+        return self.cu_nodes[:-1].long()
+
+    @functools.cached_property
     def request_index(self) -> torch.Tensor:
         """[T] int64: the request each flat node belongs to."""
         return torch.repeat_interleave(  # output_size: no device sync
@@ -84,14 +89,14 @@ class TreeBatch:
     @functools.cached_property
     def parent_flat(self) -> torch.Tensor:
         """[T] int64: flat index of each node's parent, -1 for roots."""
-        start = self.cu_nodes[:-1].long()[self.request_index]
+        start = self.starts[self.request_index]
         p = self.parent.long()
         return torch.where(p >= 0, p + start, p)
 
     @functools.cached_property
     def path_flat(self) -> torch.Tensor:
         """[T, max_depth + 1] int64: ``path`` in flat indices (-1 stays -1)."""
-        start = self.cu_nodes[:-1].long()[self.request_index][:, None]
+        start = self.starts[self.request_index][:, None]
         p = self.path.long()
         return torch.where(p >= 0, p + start, p)
 

@@ -56,6 +56,8 @@ Greedy needs one ``argmax`` over ``[T, V]`` and no loop.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -89,6 +91,11 @@ class VerificationResult:
     def num_accepted(self) -> torch.Tensor:
         """[B] accepted draft tokens (root excluded)."""
         return self.num_emitted - 1
+
+    @functools.cached_property
+    def accepted_i32(self) -> torch.Tensor:
+        """``accepted_nodes`` as int32, as the commit kernels read it: converted once per step, not per layer."""
+        return self.accepted_nodes.to(torch.int32)
 
     def to(self, device) -> "VerificationResult":
         """On ``device``, in ONE copy (packed: a device-to-host copy is a stream sync each)."""

@@ -118,4 +118,4 @@ class AttentionGroup:
         views = [layer.kv_views() for layer in self.layers]
         kernels = step.kernels if all(ok for _, _, ok in views) else "torch"
         compact_accepted_kv([k for k, _, _ in views], [v for _, v, _ in views], step.block_tables[self.group],
-                            step.prefix_len, result.accepted_nodes.to(torch.int32), kernels=kernels)
+                            step.prefix_len, result.accepted_i32, kernels=kernels)

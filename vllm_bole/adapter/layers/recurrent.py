@@ -108,10 +108,10 @@ class RecurrentLayer:
     def commit(self, tree, result) -> None:
         saved, self._saved = self._saved, None
         step = saved.step
-        last_local = result.last_node.long() - tree.cu_nodes[:-1].long()
+        last_local = result.last_node - tree.starts
         commit_conv_state(conv_state_view(self.module.kv_cache[0]), saved.slots, tree, last_local, saved.conv_in,
                           kernels=step.kernels)
-        accepted = result.accepted_nodes.to(torch.int32)[:, : self.max_path]
+        accepted = result.accepted_i32[:, : self.max_path]
         self._stash(saved, tree, accepted)
 
     def flush(self, slots: torch.Tensor, kernels: str) -> None:
