@@ -19,7 +19,8 @@ turns, HumanEval prompts, held-out ShareGPT first turns (chat template; ``pair_d
 Engines and cells (``ENGINES``): ``ar`` and ``vllm_chain`` (n-gram and ``draft_model`` at
 ``num_speculative_tokens`` in ``CHAIN_K``, a sweep; a mode vLLM refuses or fails on the hybrid is
 recorded with its error) decode every cell. One ``bole_tree`` engine per drafter (the pair's block
-drafter first when it has one: ``pair/block``, then its draft model, then n-grams) sweeps the node
+drafter first, n-grams, its MTP drafter, then its draft model; the heads when the pair has them:
+``pair/block``, ``pair/mtp``) sweeps the node
 budget in place (``bole_set_budget``; the same engine, so the same graphs and caches) over
 ``BUDGETS`` and ``budget: "auto"`` (the budget controller) cell by cell on the sweep cells (MT-Bench
 and HumanEval, greedy), then runs ``"auto"`` on every other cell. Order is by importance and every engine checks a deadline, so a
@@ -104,7 +105,8 @@ def engine_kwargs(args) -> dict:
 
 
 def spec_for(mode: str, drafter: str, pair: Path, k: int | None = None, beam: int = 0) -> dict | None:
-    """The engine's speculative config; the pair's draft model is ``pair/draft``, its block drafter ``pair/block``."""
+    """The engine's speculative config; the pair's draft model is ``pair/draft``, its heads ``pair/block`` and
+    ``pair/mtp``."""
     if mode == "ar":
         return None
     if mode == "vllm_chain":
@@ -116,8 +118,8 @@ def spec_for(mode: str, drafter: str, pair: Path, k: int | None = None, beam: in
         cfg["top_k"] = 1
     if drafter == "draft_model":
         cfg.update(model=str(pair / "draft"), draft_beam=beam)
-    if drafter == "block":
-        cfg.update(model=str(pair / "block"))
+    if drafter in ("block", "mtp"):
+        cfg.update(model=str(pair / drafter))
     return cfg
 
 
@@ -129,15 +131,15 @@ def engines(part: str, quick: bool) -> list[dict]:
     trees = [dict(mode="ar", drafter="none", k=None, cells=[c + (None,) for c in full])]
     # per swept cell its fixed budgets and the controller side by side (a deadline leaves whole groups)
     grouped = [c + (b,) for c in sweep for b in budgets + ("auto",)] + [c + ("auto",) for c in full if c not in sweep]
-    trees += [dict(mode="bole_tree", drafter=d, k=None, cells=grouped) for d in ("block", "draft_model", "ngram")]
+    trees += [dict(mode="bole_tree", drafter=d, k=None, cells=grouped) for d in ("block", "ngram", "mtp", "draft_model")]
     # the same draft drafting its trees node by node (draft_beam): one engine, the sweep cells
-    trees.insert(3, dict(mode="bole_tree", drafter="draft_model", k=None, beam=DRAFT_BEAM,
+    trees.insert(5, dict(mode="bole_tree", drafter="draft_model", k=None, beam=DRAFT_BEAM,
                          cells=[c + (b,) for c in sweep for b in budgets + ("auto",)]))
     chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
     chains += [dict(mode="bole_chain", drafter=d, k=None,
                     cells=[c + (b,) for b in (budgets[:3] if not quick else budgets) for c in sweep])
-               for d in ("block", "draft_model")]
+               for d in ("block", "mtp", "draft_model")]
     return dict(trees=trees, chains=chains, all=trees + chains)[part]
 
 
@@ -347,8 +349,8 @@ def main() -> int:
     STORE.mkdir(parents=True, exist_ok=True)
     parts = {f.stem: json.loads(f.read_text()) for f in STORE.glob("*.json")}
     todo = [e for e in engines(args.part, args.quick) if not args.only or f"{e['mode']}/{e['drafter']}" in args.only]
-    if not (args.pair / "block" / "block_drafter.json").exists():  # a pair trained without its block drafter
-        todo = [e for e in todo if e["drafter"] != "block"]
+    heads = [d for d in ("block", "mtp") if not (args.pair / d / "block_drafter.json").exists()]
+    todo = [e for e in todo if e["drafter"] not in heads]  # a pair trained without those heads
     keep = [r for r in parts.get(args.part, {}).get("rows", []) if args.only and
             f"{r['mode']}/{r['drafter']}" not in args.only]
     parts[args.part] = dict(rows=keep, started=time.strftime("%H:%M:%S"))

@@ -1,7 +1,7 @@
 """Train the hybrid pair of the end-to-end benchmark on the H200: two hybrid targets and one draft,
 from a seed, in one run (the models named train at once, one process each, on the one GPU).
 
-    python3 benchmarks/train_pair.py --data .pair/data --out /tmp/pair --model nemotron_h --model draft --model block
+    python3 benchmarks/train_pair.py --data .pair/data --out /tmp/pair --model nemotron_h --model draft --model block --model mtp
     python3 benchmarks/train_pair.py --data .pair/data --out /tmp/pair --steps 3 --tiny  # CPU dry run
 
 Models (HF checkpoints that vLLM loads natively; bf16 weights; SmolLM2's tokenizer):
@@ -10,13 +10,15 @@ Models (HF checkpoints that vLLM loads natively; bf16 weights; SmolLM2's tokeniz
   * ``qwen3_next``  Qwen3-Next-style Gated DeltaNet + gated attention + MoE hybrid, hidden 512,
     8 layers (6 GDN [2 key / 4 value heads x 128], 2 attention), 8 experts top-2, ~115M parameters;
   * ``draft``       Llama, hidden 256, 2 layers, tied embeddings, ~14M parameters;
-  * ``block``       the block drafter's heads (``vllm_bole.spec_decode.block_drafter``: ``BLOCK_DEPTH``
-    residual blocks on the target's final hidden state, the target's frozen LM head), trained on the
-    frozen target (``--block-target``, default ``nemotron_h``) after it: ``D (H^2 + H)`` ~1.6M parameters.
-    Loss: mean over depths ``d`` of the cross-entropy of the ``d``-th token after the next one. Its
-    evaluation: per depth, how often the head's top-1 equals the target's own greedy token there on
-    held-out text (``top1_agreement_by_depth``: the acceptance of a greedy chain's ``d``-th node given
-    the ones before it).
+  * ``block``, ``mtp``  the hidden-state drafters' heads (``vllm_bole.spec_decode.block_drafter``, depth
+    ``HEAD_DEPTH``, the target's frozen LM head): ``block`` one residual block per depth on the target's
+    final hidden state (~2.1M parameters at hidden 512), ``mtp`` one block over (state, token) applied
+    recurrently (~6.8M, mostly its 128-wide token embedding), each trained on the frozen target
+    (``--head-target``, default ``nemotron_h``) after it. Self-distilled: the label of depth ``d`` at
+    position ``t`` is the target's own greedy token there (``argmax`` of its logits at ``t + d``), and
+    the MTP head steps on those tokens (teacher forcing); loss the mean cross-entropy over depths.
+    Evaluation: per depth, how often the head's top-1 equals that greedy token on held-out text
+    (``top1_agreement_by_depth``: a greedy chain's ``d``-th node accepted given the ones before it).
 
 Decision: trained from scratch on real text (``benchmarks/pair_data.py``: ShareGPT chats in the
 chat template, Python sources, GSM8K), not distilled from SmolLM2-135M-Instruct. The teacher is a
@@ -59,10 +61,11 @@ from pair_data import load_xz  # noqa: E402
 
 SEQ, BATCH, WARMUP = 1024, 32, 100
 EOS, BOS = 2, 1
-MODELS = ("nemotron_h", "qwen3_next", "draft", "block")
-LR = {"nemotron_h": 2e-3, "qwen3_next": 2e-3, "draft": 3e-3, "block": 1e-3}
-STEPS = {"nemotron_h": 120, "qwen3_next": 250, "draft": 3500, "block": 400}
-BLOCK_DEPTH, BLOCK_BATCH = 8, 8
+MODELS = ("nemotron_h", "qwen3_next", "draft", "block", "mtp")
+HEADS = ("block", "mtp")  # trained on a trained target, after it
+LR = {"nemotron_h": 2e-3, "qwen3_next": 2e-3, "draft": 3e-3, "block": 1e-3, "mtp": 1e-3}
+STEPS = {"nemotron_h": 120, "qwen3_next": 250, "draft": 3500, "block": 250, "mtp": 250}
+HEAD_DEPTH, HEAD_BATCH = 8, 8
 EVAL_TOKENS = 131_072
 
 
@@ -168,90 +171,103 @@ def train_one(name: str, args) -> dict:
 
 def _target_features(target, x):
     """The target's final hidden states ``[b, S, H]`` of inputs ``x[:, :-1]`` (the LM head's input, as vLLM's
-    ``compute_logits`` gets it) and its LM head."""
+    ``compute_logits`` gets it), its LM head, and its greedy tokens ``[b, S]`` (the token after each position)."""
     import torch
 
     lm, feats = target.get_output_embeddings(), {}
     hook = lm.register_forward_hook(lambda m, i, o: feats.__setitem__("h", i[0]))
     try:
         with torch.no_grad():
-            target(input_ids=x[:, :-1])
+            greedy = target(input_ids=x[:, :-1]).logits.argmax(-1)
     finally:
         hook.remove()
-    return feats["h"], lm
+    return feats["h"], lm, greedy
 
 
-def _block_logits(head, lm, h, d):
-    """Depth ``d``'s (1-based) logits ``[b, S - d, V]`` from hidden states ``h [b, S, H]``."""
+def _head_logits(head, lm, h, greedy):
+    """Per depth d = 1..D, the head's logits ``[b, S - d, V]`` for the d-th token after the next one at every
+    position (teacher-forced: an MTP head steps on the target's greedy tokens, what verification accepts)."""
+    from vllm_bole.spec_decode.block_drafter import BlockHead
+
     b, S, H = h.shape
-    z = head(h[:, : S - d].reshape(-1, H))[:, d - 1]
-    return lm(z.to(lm.weight.dtype)).view(b, S - d, -1)
+    lm_fn = lambda z: lm(z.to(lm.weight.dtype))  # noqa: E731
+    if isinstance(head, BlockHead):
+        z = head(h.reshape(-1, H)).view(b, S, head.depth, H)
+        return [lm_fn(z[:, : S - d, d - 1]) for d in range(1, head.depth + 1)]
+    out, s = [], h
+    for d in range(1, head.depth + 1):  # step d: states at positions t (< S - d + 1), previous token greedy[t + d - 1]
+        s = head(s[:, : S - d + 1].reshape(-1, H), greedy[:, d - 1 : S].reshape(-1)).view(b, S - d + 1, H)
+        out.append(lm_fn(s[:, : S - d]))
+    return out
 
 
-def train_block(args) -> dict:
-    """The block drafter's heads on the frozen trained target ``args.block_target`` (module docstring)."""
+def _new_head(kind: str, cfg):
+    from vllm_bole.spec_decode.block_drafter import BlockHead, MTPHead
+
+    if kind == "block":
+        return BlockHead(cfg.hidden_size, HEAD_DEPTH)
+    return MTPHead(cfg.hidden_size, HEAD_DEPTH, cfg.vocab_size)
+
+
+def train_head(kind: str, args) -> dict:
+    """A block or MTP drafter's head on the frozen trained target ``args.head_target`` (module docstring)."""
     import torch
     import transformers
-
-    from vllm_bole.spec_decode.block_drafter import BlockHead
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     train, _ = tokens(args.data, dev)
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.out / args.block_target, dtype=torch.bfloat16)
+    target = transformers.AutoModelForCausalLM.from_pretrained(args.out / args.head_target, dtype=torch.bfloat16)
     target = target.to(dev).eval().requires_grad_(False)
-    head = BlockHead(target.config.hidden_size, BLOCK_DEPTH).to(dev)
-    opt = torch.optim.AdamW(head.parameters(), lr=LR["block"], betas=(0.9, 0.95), weight_decay=0.0)
+    head = _new_head(kind, target.config).to(dev)
+    opt = torch.optim.AdamW(head.parameters(), lr=LR[kind], betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 2)
-    seq, batch = (64, 2) if args.tiny else (SEQ, BLOCK_BATCH)
-    total, losses, t0 = args.steps or STEPS["block"], [], time.monotonic()
+    seq, batch = (64, 2) if args.tiny else (SEQ, HEAD_BATCH)
+    total, losses, t0 = args.steps or STEPS[kind], [], time.monotonic()
     for step in range(total):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, LR["block"])
+            g["lr"] = lr_at(step, total, LR[kind])
         starts = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
         x = train[(starts[:, None] + torch.arange(seq + 1)).to(dev)]
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            h, lm = _target_features(target, x)
-            loss = sum(torch.nn.functional.cross_entropy(_block_logits(head, lm, h.float(), d).flatten(0, 1).float(),
-                                                         x[:, 1 + d :].flatten()) for d in range(1, BLOCK_DEPTH + 1))
-            loss = loss / BLOCK_DEPTH
+            h, lm, greedy = _target_features(target, x)
+            logits = _head_logits(head, lm, h.float(), greedy)
+            loss = sum(torch.nn.functional.cross_entropy(l.flatten(0, 1).float(), greedy[:, d:].flatten())
+                       for d, l in enumerate(logits, 1)) / len(logits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or step == total - 1:
             losses.append([step, round(float(loss.detach()), 4)])
-            print(f"block step {step}/{total} loss {float(loss.detach()):.3f} {time.monotonic() - t0:.0f}s", flush=True)
-    out = args.out / "block"
+            print(f"{kind} step {step}/{total} loss {float(loss.detach()):.3f} {time.monotonic() - t0:.0f}s", flush=True)
+    out = args.out / kind
     shutil.rmtree(out, ignore_errors=True)
     head.save(str(out))
-    return dict(model="block", arch="BlockHead", target=args.block_target, depth=BLOCK_DEPTH,
+    return dict(model=kind, arch=type(head).__name__, target=args.head_target, depth=HEAD_DEPTH,
                 params=sum(p.numel() for p in head.parameters()), steps=total, tokens=total * batch * seq,
-                seconds=round(time.monotonic() - t0, 1), loss=losses, lr=LR["block"], seq=seq, batch=batch)
+                seconds=round(time.monotonic() - t0, 1), loss=losses, lr=LR[kind], seq=seq, batch=batch)
 
 
-def evaluate_block(args, x) -> dict:
+def evaluate_head(args, kind: str, x) -> dict:
     """Per depth d: how often the head's top-1 for the d-th token after the next equals the target's own
-    greedy token at that position, on held-out rows ``x``."""
+    greedy token there, on held-out rows ``x`` (an MTP head stepping on the target's greedy tokens)."""
     import torch
     import transformers
 
-    from vllm_bole.spec_decode.block_drafter import BlockHead
+    from vllm_bole.spec_decode.block_drafter import load_head
 
     dev = x.device
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.out / args.block_target, dtype=torch.bfloat16)
+    target = transformers.AutoModelForCausalLM.from_pretrained(args.out / args.head_target, dtype=torch.bfloat16)
     target = target.to(dev).eval()
-    head = BlockHead.load(str(args.out / "block"), dev, torch.bfloat16)
-    hits = torch.zeros(BLOCK_DEPTH)
-    count = torch.zeros(BLOCK_DEPTH)
+    head = load_head(str(args.out / kind), kind, dev, torch.bfloat16)
+    hits, count = torch.zeros(HEAD_DEPTH), torch.zeros(HEAD_DEPTH)
     with torch.no_grad():
         for row in x.split(8):
-            h, lm = _target_features(target, row)
-            greedy = lm(h).argmax(-1)  # [b, S]: the target's token after each position
-            for d in range(1, BLOCK_DEPTH + 1):
-                pred = _block_logits(head, lm, h, d).argmax(-1)  # the token at position t + 1 + d
-                hits[d - 1] += float((pred == greedy[:, d:]).sum())
-                count[d - 1] += pred.numel()
+            h, lm, greedy = _target_features(target, row)
+            for d, l in enumerate(_head_logits(head, lm, h, greedy), 1):
+                hits[d - 1] += float((l.argmax(-1) == greedy[:, d:]).sum())
+                count[d - 1] += greedy[:, d:].numel()
     return dict(top1_agreement_by_depth=[round(float(v), 4) for v in hits / count.clamp(min=1)])
 
 
@@ -273,9 +289,9 @@ def evaluate(args, names) -> dict:
     n = min(4 * (seq + 1) if args.tiny else EVAL_TOKENS, held.numel()) // (seq + 1) * (seq + 1)
     x = held[:n].view(-1, seq + 1)
     top1, out = {}, {}
-    if "block" in names:
-        out["block"] = evaluate_block(args, x)
-    for name in (n for n in names if n != "block"):
+    for kind in (n for n in names if n in HEADS):
+        out[kind] = evaluate_head(args, kind, x)
+    for name in (n for n in names if n not in HEADS):
         model = transformers.AutoModelForCausalLM.from_pretrained(args.out / name, dtype=torch.bfloat16).to(dev).eval()
         nll, preds = 0.0, []
         with torch.no_grad():
@@ -299,8 +315,8 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=Path(".pair/data"))
     ap.add_argument("--out", type=Path, default=Path("/tmp/pair"))
     ap.add_argument("--model", action="append", choices=MODELS, help="train only these (default: all)")
-    ap.add_argument("--block-target", default="nemotron_h", choices=("nemotron_h", "qwen3_next"),
-                    help="the trained target the block drafter's heads learn from (trained first when named too)")
+    ap.add_argument("--head-target", default="nemotron_h", choices=("nemotron_h", "qwen3_next"),
+                    help="the trained target the block / MTP heads learn from (trained first when named too)")
     ap.add_argument("--steps", type=int, default=None, help=f"steps of every model (default: {STEPS})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU dry run of the script)")
@@ -312,22 +328,22 @@ def main() -> int:
     if args.tiny:  # FLA's kernels need a GPU (or the interpreter): transformers' torch fallback on CPU
         sys.modules["fla"] = None
     if args.child:
-        train = train_block if names[0] == "block" else train_one
-        (args.out / f"{names[0]}.train.json").write_text(json.dumps(train(names[0], args) if train is train_one
-                                                                    else train(args)))
+        train = train_head if names[0] in HEADS else train_one
+        (args.out / f"{names[0]}.train.json").write_text(json.dumps(train(names[0], args)))
         return 0
     t0 = time.monotonic()
     base = [sys.executable, __file__, "--data", str(args.data), "--out", str(args.out), "--seed", str(args.seed),
-            "--child", "--block-target", args.block_target] + (["--steps", str(args.steps)] if args.steps else []) \
+            "--child", "--head-target", args.head_target] + (["--steps", str(args.steps)] if args.steps else []) \
         + (["--tiny"] if args.tiny else [])
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
-    procs = {n: subprocess.Popen(base + ["--model", n], env=env) for n in names if n != "block"}
+    procs = {n: subprocess.Popen(base + ["--model", n], env=env) for n in names if n not in HEADS}
     failed = [n for n, p in procs.items() if p.wait() != 0]
-    if "block" in names:  # after its target (trained now or before)
-        if args.block_target in failed or not (args.out / args.block_target / "config.json").exists():
-            failed.append("block")
-        elif subprocess.call(base + ["--model", "block"], env=env) != 0:
-            failed.append("block")
+    heads = [n for n in names if n in HEADS]  # after their target (trained now or before), side by side
+    if heads and (args.head_target in failed or not (args.out / args.head_target / "config.json").exists()):
+        failed += heads
+    elif heads:
+        procs = {n: subprocess.Popen(base + ["--model", n], env=env) for n in heads}
+        failed += [n for n, p in procs.items() if p.wait() != 0]
     result = dict(seed=args.seed, data=json.loads((args.data / "manifest.json").read_text()), models={})
     for n in names:
         f = args.out / f"{n}.train.json"

@@ -1,11 +1,12 @@
-"""The one-pass block drafter (``vllm_bole.spec_decode.block_drafter``): heads, checkpoints, candidates."""
+"""Drafters on the target's hidden state (``vllm_bole.spec_decode.block_drafter``): heads, checkpoints,
+candidates."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_bole.spec_decode.block_drafter import BlockDrafter, BlockHead, check_block_dir
 from vllm_bole.spec_decode.best_first import best_first_tree
+from vllm_bole.spec_decode.block_drafter import BlockHead, HeadDrafter, MTPHead, check_head_dir, load_head
 
 H, V, D = 16, 50, 4
 
@@ -15,31 +16,54 @@ def _lm_head(seed=0):
     return lambda z: z @ w.T
 
 
-def _head(seed=1):
-    head = BlockHead(H, D)
+def _randomize(head, seed=1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(D, H, H, generator=g) * 0.3)
-        head.bias.copy_(torch.randn(D, H, generator=g) * 0.1)
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return head
 
 
-def test_head_matches_its_formula_and_round_trips(tmp_path):
-    head = _head()
+def _block():
+    return _randomize(BlockHead(H, D))
+
+
+def _mtp():
+    return _randomize(MTPHead(H, D, V, token_dim=8))
+
+
+def test_block_head_matches_its_formula():
+    head = _block()
     h = torch.randn(3, H)
     z = head(h)
     for d in range(D):
-        ref = h + torch.nn.functional.silu(h @ head.weight[d].T + head.bias[d])
-        torch.testing.assert_close(z[:, d], ref)
+        torch.testing.assert_close(z[:, d], h + torch.nn.functional.silu(h @ head.weight[d].T + head.bias[d]))
+
+
+def test_mtp_head_steps_on_the_previous_depths_top_token():
+    head, lm = _mtp(), _lm_head()
+    h, roots = torch.randn(3, H), torch.tensor([1, 7, 49])
+    logits = head.logits(h, roots, D, lm)
+    s, t = h, roots
+    for d in range(D):
+        s = s + torch.nn.functional.silu(torch.cat([s, head.embed.weight[t]], -1) @ head.proj.weight.T + head.proj.bias)
+        torch.testing.assert_close(logits[:, d], lm(s))
+        t = lm(s).argmax(-1)
+
+
+@pytest.mark.parametrize("make", [_block, _mtp], ids=["block", "mtp"])
+def test_checkpoint_round_trip(tmp_path, make):
+    head = make()
     head.save(str(tmp_path))
-    back = BlockHead.load(str(tmp_path))
-    torch.testing.assert_close(back(h), z)
-    assert check_block_dir(str(tmp_path), H) == {"hidden_size": H, "depth": D}
+    back = load_head(str(tmp_path), head.kind)
+    h, roots = torch.randn(3, H), torch.tensor([0, 5, 9])
+    torch.testing.assert_close(back.logits(h, roots, D, _lm_head()), head.logits(h, roots, D, _lm_head()))
+    assert check_head_dir(str(tmp_path), head.kind, H)["depth"] == D
 
 
-def test_zero_head_gives_every_depth_the_targets_next_token_distribution():
+def test_zero_block_head_gives_every_depth_the_targets_next_token_distribution():
     lm = _lm_head()
-    drafter = BlockDrafter(BlockHead(H, D), lm, top_k=5)
+    drafter = HeadDrafter(BlockHead(H, D), lm, top_k=5)
     h = torch.randn(2, H)
     drafter.condition(h)
     c = drafter.propose([[1], [2]], [D, D]).validate()
@@ -49,8 +73,9 @@ def test_zero_head_gives_every_depth_the_targets_next_token_distribution():
         assert torch.equal(c.tokens[:, d], t)
 
 
-def test_candidates_stop_at_each_requests_depth_and_at_the_heads_depth():
-    drafter = BlockDrafter(_head(), _lm_head(), top_k=3)
+@pytest.mark.parametrize("make", [_block, _mtp], ids=["block", "mtp"])
+def test_candidates_stop_at_each_requests_depth_and_at_the_heads_depth(make):
+    drafter = HeadDrafter(make(), _lm_head(), top_k=3)
     drafter.condition(torch.randn(3, H))
     c = drafter.propose([[1], [2], [3]], [0, 2, D + 5]).validate()
     assert c.depth == D  # capped at what the head was trained for
@@ -60,8 +85,19 @@ def test_candidates_stop_at_each_requests_depth_and_at_the_heads_depth():
     assert int(tree.depth.max()) <= D
 
 
+def test_mtp_drafter_starts_from_each_histories_root():
+    head, lm = _mtp(), _lm_head()
+    drafter = HeadDrafter(head, lm, top_k=2)
+    h = torch.randn(2, H)
+    drafter.condition(h)
+    c = drafter.propose([[4, 11], [3]], [D, D])
+    p, t = head.logits(h, torch.tensor([11, 3]), D, lm).softmax(-1).topk(2)
+    torch.testing.assert_close(c.probs, p)
+    assert torch.equal(c.tokens, t)
+
+
 def test_propose_needs_the_hidden_states_of_this_batch():
-    drafter = BlockDrafter(_head(), _lm_head(), top_k=3)
+    drafter = HeadDrafter(_block(), _lm_head(), top_k=3)
     with pytest.raises(RuntimeError, match="condition"):
         drafter.propose([[1]], [2])
     drafter.condition(torch.randn(2, H))
@@ -70,8 +106,10 @@ def test_propose_needs_the_hidden_states_of_this_batch():
 
 
 def test_checkpoint_errors_name_the_field(tmp_path):
-    with pytest.raises(ValueError, match="^model: .* is not a block-drafter checkpoint"):
-        check_block_dir(str(tmp_path))
-    _head().save(str(tmp_path))
+    with pytest.raises(ValueError, match="^model: .* is not a block drafter checkpoint"):
+        check_head_dir(str(tmp_path), "block")
+    _block().save(str(tmp_path))
     with pytest.raises(ValueError, match="^model: .*hidden size 16, the target's is 32"):
-        check_block_dir(str(tmp_path), 32)
+        check_head_dir(str(tmp_path), "block", 32)
+    with pytest.raises(ValueError, match="^model: .* holds a 'block' drafter, not 'mtp'"):
+        check_head_dir(str(tmp_path), "mtp")

@@ -268,30 +268,32 @@ def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     assert [p for _, _, p in warm["shapes"][-2:]] == [256, 512 - top]  # long-key tiles: plain, then split-K
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "llama"])
-def test_block_drafter_greedy_equal(engines, models, arch, tmp_path):
-    """drafter 'block' (``spec_decode.block_drafter``: heads on the target's last hidden state, the target's
-    LM head): identical streams; every step after the prompt drafts from the hidden states of the rows that
-    emitted the roots (the trees' last accepted nodes, the plain requests' last tokens)."""
+@pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])
+def test_hidden_state_drafters_greedy_equal(engines, models, arch, kind, tmp_path):
+    """drafter 'block' / 'mtp' (``spec_decode.block_drafter``: heads on the target's last hidden state, the
+    target's LM head; random heads here): identical streams; every step after the prompt drafts from the
+    hidden states of the rows that emitted the roots (the trees' last accepted nodes, the plain requests'
+    last tokens)."""
     import json
 
     import torch
 
-    from vllm_bole.spec_decode.block_drafter import BlockHead
+    from vllm_bole.spec_decode.block_drafter import BlockHead, MTPHead
 
-    hidden = json.loads((models[arch] / "config.json").read_text())["hidden_size"]
-    head = BlockHead(hidden, DEPTH)
+    cfg = json.loads((models[arch] / "config.json").read_text())
+    head = BlockHead(cfg["hidden_size"], DEPTH) if kind == "block" else MTPHead(cfg["hidden_size"], DEPTH, cfg["vocab_size"])
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(DEPTH, hidden, hidden, generator=g) / hidden**0.5)
-    head.save(str(tmp_path / "block"))
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / cfg["hidden_size"] ** 0.5)
+    head.save(str(tmp_path / kind))
     base = engines.run(arch, "base")["greedy"]
     r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS)],
-                              spec=spec_config("block", tmp_path / "block"))
+                              spec=spec_config(kind, tmp_path / kind))
     ours = r["jobs"][0]
     _check_equal(arch, dict(tokens=base["tokens"]), ours)
     st = ours["stats"]
-    print(f"{arch} block drafter: {st['tree_steps']} tree steps, {st['drafted_nodes']} drafted, {st['accepted']} accepted")
+    print(f"{arch} {kind} drafter: {st['tree_steps']} tree steps, {st['drafted_nodes']} drafted, {st['accepted']} accepted")
     assert st["tree_steps"] >= MAX_TOKENS // (DEPTH + 1) and st["drafted_nodes"] >= BUDGET * st["tree_steps"] // 2
 
 
@@ -330,13 +332,14 @@ def test_adapter_checks_and_config_errors(models):
     assert r["layouts"] and all(x["read"] and x["write"] for x in r["layouts"]), r["layouts"]
     assert r["gdn"]["max_abs_diff"] <= 0.01 * r["gdn"]["max_abs"] + 2e-4, r["gdn"]
     errs = r["config_errors"]
-    assert "drafter: Input should be 'ngram' or 'draft_model'" in errs["drafter"]
+    assert "drafter: Input should be 'ngram', 'draft_model', 'block' or 'mtp'" in errs["drafter"]
     assert "num_speculative_tokens" in errs["budget"] and "[1, 255]" in errs["budget"]
     assert "prompt_lookup_num: unknown field" in errs["unknown"] and "allowed fields" in errs["unknown"]
     assert "model: required with drafter 'draft_model'" in errs["draft_model_without_model"]
     assert "worker_cls" in errs["worker_cls"] and "async_scheduling" in errs["async"]
     assert "num_speculative_tokens: Input should be a valid integer (got '8')" in errs["string_budget"]
     assert "model: '/nonexistent/draft' is not a model directory" in errs["draft_missing"]
+    assert "model: '/nonexistent/block' is not a block drafter checkpoint" in errs["block_missing"]
     assert "model: the draft" in errs["draft_tokenizer"] and "different tokenizer" in errs["draft_tokenizer"]
     assert "kernels: 'triton' on CPU runs only under TRITON_INTERPRET=1" in errs["triton_cpu"]
     assert "enable_prefix_caching: True is not supported" in errs["prefix_caching"]
@@ -354,7 +357,11 @@ def test_adapter_checks_and_config_errors(models):
         (dict(drafter="ngram", num_speculative_tokens=4, draft_dtype="int8"), "allowed values: 'auto', 'float32'"),
         (dict(drafter="ngram", num_speculative_tokens=4, prompt_lookup_min=5, prompt_lookup_max=2), "prompt_lookup_min: 5"),
         (dict(drafter="ngram", num_speculative_tokens=4, model="x"), "model: only allowed with drafter 'draft_model'"),
-        (dict(num_speculative_tokens=4), "drafter: required field missing (allowed values: 'ngram', 'draft_model')"),
+        (dict(num_speculative_tokens=4),
+         "drafter: required field missing (allowed values: 'ngram', 'draft_model', 'block', 'mtp')"),
+        (dict(drafter="block", num_speculative_tokens=4), "model: required with drafter 'block'"),
+        (dict(drafter="mtp", model="x", num_speculative_tokens=4, draft_dtype="float32"),
+         "draft_dtype: only allowed with drafter 'draft_model' (drafter is 'mtp')"),
         (dict(drafter="ngram", num_speculative_tokens=4, budget="8"), "budget: got '8'; allowed: 'auto' or an integer"),
         (dict(drafter="ngram", num_speculative_tokens=4, budget=5), "budget: 5 must be 'auto' or an integer <= num_spec"),
         (dict(drafter="ngram", num_speculative_tokens=4, eps=-0.5), "eps: Input should be greater than or equal to 0"),

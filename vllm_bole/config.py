@@ -10,9 +10,10 @@ Fields (every other key is refused, with the list of allowed ones):
 
 * ``method``: ``"bole_tree"`` (selects this plugin; vLLM itself does not know the name).
 * ``drafter``: ``"ngram"`` (prompt lookup over the request's own tokens), ``"draft_model"`` (a
-  separate small model with the target's tokenizer, path in ``model``) or ``"block"`` (a one-pass
-  block drafter on the target's own last hidden state, checkpoint in ``model``:
-  :mod:`vllm_bole.spec_decode.block_drafter`; it drafts at most as deep as it was trained).
+  separate small model with the target's tokenizer, path in ``model``), ``"block"`` (a one-pass
+  block drafter on the target's own last hidden state) or ``"mtp"`` (a multi-token-prediction block
+  applied recurrently from that state), each with its checkpoint in ``model``
+  (:mod:`vllm_bole.spec_decode.block_drafter`; they draft at most as deep as they were trained).
 * ``num_speculative_tokens``: the most draft nodes per request and step (the root excluded), 1-255.
   vLLM reserves this many KV slots per request beyond the bonus token; the tree has at most
   ``num_speculative_tokens + 1`` nodes.
@@ -32,8 +33,8 @@ Fields (every other key is refused, with the list of allowed ones):
 * ``top_k``: candidate children per node considered by the best-first builder (default: the
   budget, which makes the builder exact).
 * ``model``: draft model directory, a local checkpoint with the target's tokenizer (``drafter:
-  draft_model``), or the block drafter's checkpoint trained on this target (``drafter: block``);
-  required with those two, refused with ``ngram``.
+  draft_model``), or the head checkpoint trained on this target (``drafter: block`` or ``mtp``);
+  required with those, refused with ``ngram``.
 * ``draft_dtype``: ``"auto"`` (the draft checkpoint's dtype), ``"float32"``, ``"bfloat16"``,
   ``"float16"`` (``draft_model`` only).
 * ``draft_runtime``: how a ``draft_model`` drafter runs (``draft_model`` only): ``"auto"`` (default:
@@ -76,7 +77,7 @@ class TreeSpecConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "8" is not an integer
 
     method: Literal["bole_tree"]
-    drafter: Literal["ngram", "draft_model", "block"]
+    drafter: Literal["ngram", "draft_model", "block", "mtp"]
     num_speculative_tokens: int = Field(ge=1, le=MAX_NODES - 1)
     budget: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_NODES - 1)] = "auto"
     eps: float | None = Field(default=1.0, ge=0)
@@ -97,7 +98,7 @@ class TreeSpecConfig(BaseModel):
         if self.drafter != "ngram" and not self.model:
             raise ValueError(f"model: required with drafter '{self.drafter}' (its checkpoint directory)")
         if self.drafter == "ngram" and self.model:
-            raise ValueError("model: only allowed with drafter 'draft_model' or 'block' (drafter is 'ngram')")
+            raise ValueError("model: only allowed with drafter 'draft_model', 'block' or 'mtp' (drafter is 'ngram')")
         for name in ("draft_runtime", "draft_dtype"):
             if self.drafter != "draft_model" and getattr(self, name) != "auto":
                 raise ValueError(f"{name}: only allowed with drafter 'draft_model' (drafter is '{self.drafter}')")

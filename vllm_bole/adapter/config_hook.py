@@ -80,9 +80,9 @@ def _check_near_miss(spec) -> None:
 
 def _check_draft_model(cfg, target: str) -> None:
     """The draft model must be a local checkpoint with the target's tokenizer (same vocabulary); a block
-    drafter a checkpoint of the target's hidden size."""
-    if cfg.drafter == "block":
-        from vllm_bole.spec_decode.block_drafter import check_block_dir
+    or MTP drafter a checkpoint of its kind for the target's hidden size."""
+    if cfg.drafter in ("block", "mtp"):
+        from vllm_bole.spec_decode.block_drafter import check_head_dir
 
         hidden = None
         if os.path.isfile(os.path.join(target, "config.json")):
@@ -90,7 +90,7 @@ def _check_draft_model(cfg, target: str) -> None:
                 hf = json.load(f)
             hidden = hf.get("hidden_size") or hf.get("text_config", {}).get("hidden_size")
         try:
-            check_block_dir(cfg.model, hidden)
+            check_head_dir(cfg.model, cfg.drafter, hidden)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return

@@ -50,7 +50,7 @@ from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
 from vllm_bole.attention.tree_attention import tree_slot_mapping
 from vllm_bole.config import TreeSpecConfig
 from vllm_bole.spec_decode.calibration import BRANCH_COLUMNS, Calibration, branch_columns, kind_counts
-from vllm_bole.spec_decode.block_drafter import BlockDrafter, BlockHead
+from vllm_bole.spec_decode.block_drafter import HeadDrafter, load_head
 from vllm_bole.spec_decode.draft_model import HFDraftModel
 from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.paged_draft import PagedDraftModel
@@ -124,7 +124,7 @@ class TreeRunnerMixin:
         self._bole_step: TreeStep | None = None
         self._bole_drafted = None  # (TreeBatch of the last drafts, {req id: row}, flat drafts per row)
         self._bole_drafts = None  # DraftTokenIds for the scheduler
-        self._bole_hidden_rows = None  # block drafter: [num_reqs] rows of the step's sample hidden states
+        self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
         self._bole_stats = dict(steps=0, tree_steps=0, mixed_tree_steps=0, prefill_mixed_tree_steps=0,
@@ -158,14 +158,14 @@ class TreeRunnerMixin:
     def _bole_load_drafter(self) -> None:
         """The draft model, in the worker's process (before vLLM sizes its KV cache, so the draft's
         pages count as model memory): paged when it can (``draft_runtime``), else transformers; or the
-        block drafter's heads, in the target's dtype, on the target's LM head."""
+        block or MTP drafter's heads, in the target's dtype, on the target's LM head."""
         cfg = self.bole_config
         if cfg.drafter == "ngram" or self._bole_drafter is not None:
             return
         top_k = min(cfg.top_k or cfg.num_speculative_tokens, MAX_TOP_K)
-        if cfg.drafter == "block":
-            head = BlockHead.load(cfg.model, self.device, self.model_config.dtype)
-            self._bole_drafter = BlockDrafter(head, self.model.compute_logits, top_k)
+        if cfg.drafter in ("block", "mtp"):
+            head = load_head(cfg.model, cfg.drafter, self.device, self.model_config.dtype)
+            self._bole_drafter = HeadDrafter(head, self.model.compute_logits, top_k)
             return
         if cfg.draft_runtime != "transformers":
             cls, beam = (PagedTreeDraftModel, dict(beam=cfg.draft_beam)) if cfg.draft_beam else (PagedDraftModel, {})
@@ -375,7 +375,7 @@ class TreeRunnerMixin:
         res = verify_tree(tree, constrain(self.input_batch, step, tlogits.float(), params),
                           tree_sampling(params, [self.input_batch.generators.get(r) for r in step.rows]),
                           kernels=step.kernels)
-        if isinstance(self._bole_drafter, BlockDrafter):  # the rows that emitted each request's new root
+        if isinstance(self._bole_drafter, HeadDrafter):  # the rows that emitted each request's new root
             self._bole_hidden_rows = torch.cat([torch.arange(P, device=logits.device), P + res.last_node.long()])
         transient = sum(layer.saved_bytes() for layers in self._bole_recurrent.values() for layer in layers)
         commit(self._bole_attention + [layer for layers in self._bole_recurrent.values() for layer in layers], tree, res)
@@ -551,7 +551,7 @@ class TreeRunnerMixin:
         if n == 0:
             self._bole_drafts = self._bole_drafted = None
             return
-        if isinstance(self._bole_drafter, BlockDrafter):  # a step without trees: one logits row per request
+        if isinstance(self._bole_drafter, HeadDrafter):  # a step without trees: one logits row per request
             self._bole_drafter.condition(hidden[rows if rows is not None else slice(0, n)])
         req_ids = list(ib.req_ids[:n])
         discard = self.discard_request_mask.np[:n]

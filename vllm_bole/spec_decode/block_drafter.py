@@ -1,27 +1,32 @@
-"""One-pass block drafter: the marginals of the next ``D`` tokens from ONE small forward on the
-target's own last hidden state (engine-agnostic: torch only).
+"""Drafters on the target's own last hidden state (engine-agnostic: torch only): the one-pass block
+drafter and the MTP drafter. Both draft from what the target just computed, with the target's LM head.
 
-After a step, request ``b``'s new root is the token the target just emitted from its final hidden
-state ``h`` [H] (of the last accepted node, or the last prompt token). Depth ``d = 1 .. D`` (the
-``d``-th token after the root) is predicted from that same ``h``:
+After a step, request ``b``'s new root ``t_0`` is the token the target just emitted from its final
+hidden state ``h`` [H] (of the last accepted node, or the last prompt token). Depths ``d = 1 .. D``
+(the ``d``-th token after the root):
 
-    z_d = h + SiLU(W_d h + b_d)            W [D, H, H], b [D, H]   (one batched matmul)
-    p_d = softmax(lm_head(z_d))            the TARGET's LM head (``logits_fn``)
+* **block** (:class:`BlockHead`, BASTION / Medusa family): every depth from ``h`` alone, in one call,
+  ``z_d = h + SiLU(W_d h + b_d)`` (``W`` [D, H, H], ``b`` [D, H]);
+* **mtp** (:class:`MTPHead`, multi-token prediction applied recurrently): one block, step by step,
+  ``s_0 = h``, ``s_d = s_{d-1} + SiLU(W [s_{d-1}; E t_{d-1}] + b)`` with ``t_{d-1}`` the previous
+  depth's top token (the root at ``d = 1``; ``E`` [V, Ht] its own small token embedding), so each
+  depth knows the chain before it; ``D`` small calls.
 
-Its top-``K`` per depth are :class:`~vllm_bole.spec_decode.candidates.Candidates` (per-depth marginals:
-depth ``d``'s candidates continue any node of depth ``d - 1``), which the best-first builder turns into
-a tree.
+``p_d = softmax(lm_head(z_d))`` with the TARGET's LM head (``logits_fn``: the engine's own, so
+vocabulary sharding and soft-capping are the target's); its top-``K`` per depth are
+:class:`~vllm_bole.spec_decode.candidates.Candidates` (per-depth marginals: depth ``d``'s candidates
+continue any node of depth ``d - 1``), which the best-first builder turns into a tree.
 
-Decisions. Medusa-style residual heads rather than DFlash's attention block over ``D`` mask tokens:
-one matmul plus one LM-head call per step whatever the tree's shape (so a wide tree costs what a chain
-costs to draft: BASTION's argument), nothing kept per request (no KV or recurrent state to roll back,
-evict or flush), and it trains in a minute on frozen target features (``benchmarks/train_pair.py
---model block``). The LM head is the target's, through the engine's own logits function (vocabulary
-sharding under tensor parallelism, soft-capping), so a head checkpoint is only ``D (H^2 + H)``
-numbers. ``W = 0, b = 0`` gives every depth the target's own next-token distribution (tests).
+Decisions. Residual heads rather than DFlash's attention block or vLLM's MTP decoder layer: nothing
+kept per request (no KV or recurrent state of the drafter to roll back, evict or flush), a block step
+costs one matmul and one LM-head call whatever the tree's width (BASTION's point: a wide tree costs
+what a chain costs to draft), and both train in a minute on the frozen target
+(``benchmarks/train_pair.py --model block --model mtp``), self-distilled: the labels are the target's
+own greedy tokens. ``W = 0, b = 0`` gives every depth of a block head the target's own next-token
+distribution (tests).
 
-Checkpoint: a directory with ``block_drafter.json`` (``hidden_size``, ``depth``) and
-``block_drafter.safetensors`` (``weight`` [D, H, H], ``bias`` [D, H]).
+Checkpoint: a directory with ``block_drafter.json`` (``kind`` block or mtp, ``hidden_size``,
+``depth``; mtp: ``vocab_size``, ``token_dim``) and ``block_drafter.safetensors``.
 """
 from __future__ import annotations
 
@@ -36,11 +41,39 @@ from vllm_bole.spec_decode.candidates import Candidates
 CONFIG = "block_drafter.json"
 WEIGHTS = "block_drafter.safetensors"
 
-__all__ = ["BlockDrafter", "BlockHead", "check_block_dir"]
+__all__ = ["BlockHead", "HeadDrafter", "MTPHead", "check_head_dir", "load_head"]
+
+Logits = Callable[[torch.Tensor], torch.Tensor]  # [N, H] -> [N, V]: the target's LM head
 
 
-class BlockHead(torch.nn.Module):
-    """``D`` residual blocks on a hidden state: ``[N, H] -> [N, D, H]``."""
+class _Head(torch.nn.Module):
+    kind: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def config(self) -> dict:
+        raise NotImplementedError
+
+    def logits(self, h: torch.Tensor, roots: torch.Tensor, depth: int, lm: Logits) -> torch.Tensor:
+        """``[B, depth, V]`` logits of depths ``1 .. depth`` after roots ``[B]`` from hidden states ``[B, H]``."""
+        raise NotImplementedError
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, CONFIG), "w") as f:
+            json.dump(dict(kind=self.kind, **self.config()), f)
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()},
+                  os.path.join(path, WEIGHTS))
+
+
+class BlockHead(_Head):
+    """``D`` residual blocks on a hidden state: ``[N, H] -> [N, D, H]``, every depth at once."""
+
+    kind = "block"
 
     def __init__(self, hidden_size: int, depth: int):
         super().__init__()
@@ -48,58 +81,93 @@ class BlockHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(self.depth, self.hidden_size, self.hidden_size))
         self.bias = torch.nn.Parameter(torch.zeros(self.depth, self.hidden_size))
 
+    def config(self) -> dict:
+        return dict(hidden_size=self.hidden_size, depth=self.depth)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h[:, None, :] + torch.nn.functional.silu(torch.einsum("nh,dkh->ndk", h, self.weight) + self.bias)
 
-    def save(self, path: str) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, CONFIG), "w") as f:
-            json.dump({"hidden_size": self.hidden_size, "depth": self.depth}, f)
-        save_file({"weight": self.weight.detach().float().cpu().contiguous(),
-                   "bias": self.bias.detach().float().cpu().contiguous()}, os.path.join(path, WEIGHTS))
-
-    @classmethod
-    def load(cls, path: str, device="cpu", dtype=torch.float32) -> "BlockHead":
-        from safetensors.torch import load_file
-
-        cfg = check_block_dir(path)
-        head = cls(cfg["hidden_size"], cfg["depth"])
-        head.load_state_dict(load_file(os.path.join(path, WEIGHTS)))
-        return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    def logits(self, h, roots, depth, lm):
+        B = h.shape[0]
+        return lm(self(h)[:, :depth].reshape(B * depth, -1)).view(B, depth, -1)
 
 
-def check_block_dir(path: str, hidden_size: int | None = None) -> dict:
-    """The head's config; a one-line error naming ``model`` when ``path`` is not a block-drafter
-    checkpoint, or was trained for another hidden size than the target's ``hidden_size``."""
+class MTPHead(_Head):
+    """One residual block over (state, token) applied recurrently: ``s_d = s_{d-1} + SiLU(W [s_{d-1};
+    E t_{d-1}] + b)``; trained for ``depth`` steps."""
+
+    kind = "mtp"
+
+    def __init__(self, hidden_size: int, depth: int, vocab_size: int, token_dim: int = 128):
+        super().__init__()
+        self.hidden_size, self.depth = int(hidden_size), int(depth)
+        self.vocab_size, self.token_dim = int(vocab_size), int(token_dim)
+        self.embed = torch.nn.Embedding(self.vocab_size, self.token_dim)
+        self.proj = torch.nn.Linear(self.hidden_size + self.token_dim, self.hidden_size)
+        torch.nn.init.zeros_(self.proj.weight)
+        torch.nn.init.zeros_(self.proj.bias)
+
+    def config(self) -> dict:
+        return dict(hidden_size=self.hidden_size, depth=self.depth, vocab_size=self.vocab_size,
+                    token_dim=self.token_dim)
+
+    def forward(self, s: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One step: states ``[N, H]`` and the previous depth's tokens ``[N]`` -> the next states."""
+        x = torch.cat([s, self.embed(tokens).to(s.dtype)], -1)
+        return s + torch.nn.functional.silu(self.proj(x))
+
+    def logits(self, h, roots, depth, lm):
+        out, s, t = [], h, roots
+        for _ in range(depth):
+            s = self(s, t)
+            out.append(lm(s))
+            t = out[-1].argmax(-1)
+        return torch.stack(out, 1)
+
+
+HEADS = {"block": BlockHead, "mtp": MTPHead}
+
+
+def check_head_dir(path: str, kind: str, hidden_size: int | None = None) -> dict:
+    """The head's config; a one-line error naming ``model`` when ``path`` is not a checkpoint of drafter
+    ``kind``, or was trained for another hidden size than the target's ``hidden_size``."""
     try:
         with open(os.path.join(path, CONFIG)) as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"model: {path!r} is not a block-drafter checkpoint ({CONFIG}: {e}); drafter 'block' "
-                         "needs a directory written by BlockHead.save (benchmarks/train_pair.py --model block)") from None
+        raise ValueError(f"model: {path!r} is not a {kind} drafter checkpoint ({CONFIG}: {e}); drafter '{kind}' "
+                         f"needs a directory written by its head's save (benchmarks/train_pair.py --model {kind})") from None
+    if cfg.get("kind") != kind:
+        raise ValueError(f"model: {path!r} holds a {cfg.get('kind')!r} drafter, not {kind!r}")
     if not os.path.isfile(os.path.join(path, WEIGHTS)):
         raise ValueError(f"model: {path!r} has {CONFIG} but no {WEIGHTS}")
     if hidden_size is not None and cfg.get("hidden_size") != hidden_size:
-        raise ValueError(f"model: the block drafter {path!r} was trained for hidden size {cfg.get('hidden_size')}, "
+        raise ValueError(f"model: the {kind} drafter {path!r} was trained for hidden size {cfg.get('hidden_size')}, "
                          f"the target's is {hidden_size}")
     return cfg
 
 
-class BlockDrafter:
-    """A :class:`~vllm_bole.spec_decode.candidates.Drafter` over the target's hidden states: the runner
-    hands it each request's last hidden state (:meth:`condition`) before every ``propose``.
-    ``logits_fn``: ``[N, H] -> [N, vocab]``, the target's LM head."""
+def load_head(path: str, kind: str, device="cpu", dtype=torch.float32) -> _Head:
+    from safetensors.torch import load_file
 
-    def __init__(self, head: BlockHead, logits_fn: Callable[[torch.Tensor], torch.Tensor], top_k: int):
+    cfg = check_head_dir(path, kind)
+    head = HEADS[kind](**{k: v for k, v in cfg.items() if k != "kind"})
+    head.load_state_dict(load_file(os.path.join(path, WEIGHTS)))
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+class HeadDrafter:
+    """A :class:`~vllm_bole.spec_decode.candidates.Drafter` over the target's hidden states: the runner
+    hands it each request's last hidden state (:meth:`condition`) before every ``propose``."""
+
+    def __init__(self, head: _Head, logits_fn: Logits, top_k: int):
         self.head, self.logits_fn, self.top_k = head, logits_fn, int(top_k)
         self._hidden: torch.Tensor | None = None
 
     @property
     def runtime(self) -> str:
         """How it drafts (the engine's start-up line)."""
-        return f"one-pass heads on the target's hidden state, depth {self.head.depth}"
+        return f"{self.head.kind} heads on the target's hidden state, depth {self.head.depth}"
 
     def condition(self, hidden: torch.Tensor) -> None:
         """``hidden`` [B, H]: row ``b`` is the final hidden state that emitted request ``b``'s root."""
@@ -107,7 +175,8 @@ class BlockDrafter:
 
     @torch.inference_mode()
     def propose(self, histories: Sequence, depths: Sequence[int], keys=None) -> Candidates:
-        """Candidates ``[B, min(max(depths), head depth), top_k]`` on the CPU (``histories`` only give B)."""
+        """Candidates ``[B, min(max(depths), head depth), top_k]`` on the CPU after each history's last
+        token (the root)."""
         h, self._hidden = self._hidden, None
         B = len(histories)
         dep = torch.as_tensor(list(depths), dtype=torch.long).clamp(min=0, max=self.head.depth).reshape(B)
@@ -115,12 +184,12 @@ class BlockDrafter:
         if D == 0:
             return Candidates.empty(B, 0, self.top_k)
         if h is None or h.shape[0] != B:
-            raise RuntimeError(f"block drafter: condition() must give {B} hidden states before propose "
+            raise RuntimeError(f"{self.head.kind} drafter: condition() must give {B} hidden states before propose "
                                f"(got {None if h is None else tuple(h.shape)})")
-        z = self.head(h.to(self.head.weight.dtype))[:, :D]  # [B, D, H]
-        logits = self.logits_fn(z.reshape(B * D, -1)).float()
+        roots = torch.tensor([int(x[-1]) if len(x) else 0 for x in histories], device=h.device)
+        logits = self.head.logits(h.to(self.head.dtype), roots, D, self.logits_fn).float()
         k = min(self.top_k, logits.shape[-1])
         probs, tokens = logits.softmax(-1).topk(k, dim=-1)
-        probs, tokens = probs.reshape(B, D, k).cpu(), tokens.reshape(B, D, k).cpu()
+        probs, tokens = probs.cpu(), tokens.cpu()
         off = torch.arange(D)[None, :] >= dep[:, None]  # [B, D] beyond the request's depth
         return Candidates(tokens.masked_fill(off[..., None], -1), probs.masked_fill(off[..., None], 0.0))

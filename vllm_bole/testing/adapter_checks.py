@@ -119,6 +119,7 @@ def _checks(model_dir: str) -> dict:
         "unknown": dict(speculative_config=dict(tree, prompt_lookup_num=3)),
         "draft_model_without_model": dict(speculative_config=dict(tree, drafter="draft_model")),
         "draft_missing": dict(speculative_config=dict(tree, drafter="draft_model", model="/nonexistent/draft")),
+        "block_missing": dict(speculative_config=dict(tree, drafter="block", model="/nonexistent/block")),
         "draft_tokenizer": dict(speculative_config=dict(tree, drafter="draft_model", model=str(wrong_tok))),
         "triton_cpu": dict(speculative_config=dict(tree, kernels="triton")),
         "prefix_caching": dict(speculative_config=tree, enable_prefix_caching=True),
