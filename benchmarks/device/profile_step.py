@@ -110,9 +110,9 @@ def main() -> None:
             prof.enable()
             llm.generate(prompts, sp, use_tqdm=False)
             prof.disable()
-            row["bole_stats"] = {k: (st[k] - stats0[k]) for k in ("steps", "tree_steps", "draft_s", "verify_commit_s",
-                                                                     "prepare_s", "forward_s", "accepted",
-                                                                     "verified_requests", "drafted_nodes")}
+            row["bole_stats"] = {k: (st[k] - stats0[k]) for k in ("steps", "tree_steps", "graph_tree_steps", "draft_s",
+                                                                     "verify_commit_s", "prepare_s", "forward_s",
+                                                                     "accepted", "verified_requests", "drafted_nodes")}
             row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["tree_steps"], 1) / args.batch, 3)
             ps = pstats.Stats(prof)
             row["top_cumulative"] = _rows(ps, "cum_s", 60)

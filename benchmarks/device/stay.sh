@@ -20,7 +20,8 @@
 # beside it: 477 s on a fresh machine at f2f2bf4), `kernels` (the Mamba1 tree benchmark, ~2 min), `cost` (one target step at
 # Nemotron-H-8B shapes, ~9 min), `e2e` (the vLLM matrix's open rows and the new architectures),
 # `newarchs` (the open Qwen3.5 and Zamba2 rows), `online` (bench_online.py, after `train`),
-# `tinyprof` (profiles at batch 1 and 32 on the tiny checkpoints).
+# `tinyprof` (profiles at batch 1 and 32 on the tiny checkpoints), `graphs` (the smoke with tree steps
+# replayed from whole CUDA graphs, opt-in: run it right after `smoke`).
 # `smoke` (5 min on a cold machine) is the tree step on tiny fp32 checkpoints
 # with the paged draft under CUDA graphs: it must pass before minutes go into training.
 #
@@ -87,6 +88,15 @@ stage_smoke() {  # the tree step and the paged draft (CUDA graphs) on tiny fp32 
         --batch 4 --out "$OUT/smoke" > "$OUT/smoke.log" 2>&1
     tail -12 "$OUT/smoke.log" | cut -c1-160
     grep -q '"identical": true' "$OUT/smoke/profile_step.json"
+}
+
+stage_graphs() {  # the smoke with tree steps from whole CUDA graphs (VLLM_BOLE_TREE_GRAPHS=1, opt-in): identical?
+    project
+    VLLM_BOLE_TREE_GRAPHS=1 TRITON_F32_DEFAULT=ieee timeout 300 python3 benchmarks/device/profile_step.py \
+        --model /tmp/tiny/nemotron_h --draft /tmp/tiny/llama --batch 4 --out "$OUT/graphs" > "$OUT/graphs.log" 2>&1
+    grep -i "graphs captured\|capturing the tree-step" "$OUT/graphs.log" | cut -c1-200
+    tail -12 "$OUT/graphs.log" | cut -c1-160
+    grep -q '"identical": true' "$OUT/graphs/profile_step.json"
 }
 
 stage_tinyprof() {  # host profile of the tree step at batch 1 and 32 (tiny bf16 NemotronH, tiny Llama paged draft)

@@ -51,6 +51,12 @@ class BoleGPUWorker(_GPUWorker):
         except Exception:  # noqa: BLE001 - serving still works: the kernels then compile at first use
             logger.warning("vllm-bole: the tree-step warm-up failed; its kernels compile at their first use "
                            "instead", exc_info=True)
+        try:  # opt-in (VLLM_BOLE_TREE_GRAPHS=1): tree steps of tree requests alone from CUDA graphs
+            self.model_runner.bole_capture_tree_graphs()
+        except Exception:  # noqa: BLE001 - tree steps then run piecewise, as without the option
+            self.model_runner._bole_graphs = None
+            logger.warning("vllm-bole: capturing the tree-step CUDA graphs failed; tree steps run piecewise",
+                           exc_info=True)
         return out
 
     bole_stats = bole_stats_rpc

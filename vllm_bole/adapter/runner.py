@@ -124,12 +124,14 @@ class TreeRunnerMixin:
         self._bole_step: TreeStep | None = None
         self._bole_drafted = None  # (TreeBatch of the last drafts, {req id: row}, flat drafts per row)
         self._bole_drafts = None  # DraftTokenIds for the scheduler
+        self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
-        self._bole_stats = dict(steps=0, tree_steps=0, mixed_tree_steps=0, prefill_mixed_tree_steps=0,
-                                placeholder_trees=0, resumed_requests=0, drafted_nodes=0, accepted=0,
-                                verified_requests=0, draft_s=0.0, verify_commit_s=0.0, prepare_s=0.0, forward_s=0.0)
+        self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, mixed_tree_steps=0,
+                                prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
+                                accepted=0, verified_requests=0, draft_s=0.0, verify_commit_s=0.0, prepare_s=0.0,
+                                forward_s=0.0)
         self._bole_forward_timer: _ForwardTimer | None = None
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
@@ -217,6 +219,23 @@ class TreeRunnerMixin:
         self._bole_attention = [AttentionGroup(gid, layers) for gid, layers in attn.items()]
         self._bole_installed = True
         self._bole_log_start()
+
+    def bole_capture_tree_graphs(self) -> None:
+        """With ``VLLM_BOLE_TREE_GRAPHS=1`` on CUDA, CUDA graphs enabled and a text-only model: capture
+        :mod:`~vllm_bole.adapter.tree_graphs`' graphs (after the warm-up; the GPU worker calls it)."""
+        from vllm_bole.adapter import tree_graphs
+
+        mode = getattr(self.compilation_config, "cudagraph_mode", None)
+        if not tree_graphs.enabled() or torch.device(self.device).type != "cuda" or mode is None or mode.name == "NONE":
+            return
+        if getattr(self, "uses_mrope", False) or getattr(self, "supports_mm_inputs", False) or \
+                getattr(self, "use_aux_hidden_state_outputs", False):
+            logger.info("vllm-bole: tree-step CUDA graphs are for text-only models without M-RoPE; not captured")
+            return
+        self._bole_install_layers()
+        graphs = tree_graphs.TreeGraphs(self)
+        graphs.capture(self)
+        self._bole_graphs = graphs
 
     def _bole_log_start(self) -> None:
         """The one INFO line that says tree speculation is on, and how."""
@@ -343,9 +362,15 @@ class TreeRunnerMixin:
         )
 
     def _model_forward(self, *args, **kwargs):
-        self._bole_active.step = self._bole_step
-        timer = _ForwardTimer(self.device) if self._bole_step is not None else None
+        step = self._bole_step
+        self._bole_active.step = step
+        timer = _ForwardTimer(self.device) if step is not None else None
         try:
+            if self._bole_graphs is not None and step is not None and step.num_plain == 0:
+                out = self._bole_graphs.replay(self, step)  # None: no bucket holds the step
+                if out is not None:
+                    self._bole_stats["graph_tree_steps"] += 1
+                    return out
             return super()._model_forward(*args, **kwargs)
         finally:
             self._bole_active.step = None
@@ -439,10 +464,10 @@ class TreeRunnerMixin:
         return drafts
 
     def bole_stats(self) -> dict:
-        """Counters (steps, tree steps, drafted nodes, accepted nodes; seconds: ``draft_s`` drafting per
-        step, ``prepare_s`` input preparation per step (host), ``forward_s`` the target forward of tree
-        steps (device time on CUDA), ``verify_commit_s`` per tree step (host, until the results are
-        queued)) and the per-step log of
+        """Counters (steps, tree steps, ``graph_tree_steps`` those replayed from a whole CUDA graph, drafted
+        nodes, accepted nodes; seconds: ``draft_s`` drafting per step, ``prepare_s`` input preparation per
+        step (host), ``forward_s`` the target forward of tree steps (device time on CUDA),
+        ``verify_commit_s`` per tree step (host, until the results are queued)) and the per-step log of
         (request, drafted greedy-chain length, accepted draft nodes); ``branch_by_depth``: per depth
         1..max_depth, main-path and sibling nodes reached and accepted since the engine started;
         ``calibration``: per node kind (main, branch, off) and depth the recent acceptance rates and
@@ -509,7 +534,9 @@ class TreeRunnerMixin:
                         req_ids=[ib.req_ids[i] for i in rows], rows=rows, block_tables=block_tables,
                         state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain,
                         max_kv_len=int(prefix_np.max()) + host_tree.max_nodes, kernels=self.bole_config.kernels,
-                        state_slots_host={gid: s.tolist() for gid, s in zip(self._bole_recurrent, host_slots)})
+                        state_slots_host={gid: s.tolist() for gid, s in zip(self._bole_recurrent, host_slots)},
+                        host=dict(prefix=prefix_np,
+                                  tables={g: ib.block_table[g].block_table.np[rows] for g in groups}))
 
     def _bole_check_slots(self, step: TreeStep) -> None:
         """The KV slots vLLM writes the tree tokens to are the core's tree slots."""

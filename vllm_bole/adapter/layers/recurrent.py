@@ -88,12 +88,17 @@ class RecurrentLayer:
         slots = step.state_slots[self.group]
         conv_state = conv_state_view(self.module.kv_cache[0])
         if bool(step.fresh.any()):  # a host tensor: no device sync
-            fresh = slots[upload(step.fresh, slots.device)]
-            conv_state[fresh] = 0
-            self.state_view()[fresh] = 0
+            self.zero_states(step, slots)
         out = tree_conv(conv_in, weight, conv_state, slots, step.tree, bias=bias, activation=activation,
                         kernels=step.kernels)
         return out, slots
+
+    def zero_states(self, step: TreeStep, slots: torch.Tensor) -> None:
+        """Zero the conv and recurrent states of the step's fresh requests (no committed state yet);
+        ``slots`` [Bt] the step's state slots of this layer's group."""
+        fresh = slots[upload(step.fresh, slots.device)]
+        conv_state_view(self.module.kv_cache[0])[fresh] = 0
+        self.state_view()[fresh] = 0
 
     def save(self, step: TreeStep, slots, conv_in, **inputs) -> None:
         self._saved = Saved(step, slots, conv_in, inputs)

@@ -1,0 +1,212 @@
+"""Tree steps of tree requests alone, replayed from CUDA graphs (issue 13 item 3).
+
+A step whose batch holds only tree requests (no prefill or plain decode beside them: decoding's
+steady state) runs its target forward, every layer's tree override included, as ONE replay of a
+graph captured at engine start, instead of vLLM's piecewise graphs with the overrides' Python and
+Triton launches between them in every layer (the host-bound part of the step on the H200).
+
+Buckets: (``B`` requests, ``T`` tokens), ``B`` a power of two up to ``max_num_seqs``, ``T`` one of
+vLLM's capture sizes with ``B < T <= B * nodes`` (``nodes`` = budget + 1). A step of ``b`` requests
+and ``t`` tokens takes the smallest bucket that holds it with at least one padding request
+(:func:`pick`); it is padded into the bucket's static tensors in ONE host-to-device copy
+(:class:`StaticStep`): the real trees first, then ``B - b`` padding requests, stars of at most
+``nodes`` nodes holding the ``T - t`` remaining tokens, each on the null KV block and state slot 0
+with no prefix; their K/V writes are skipped (slot mapping -1) and their outputs discarded. What a
+launcher sizes from the host is the bucket's bound: ``nodes`` per tree, the configured depth,
+``max_model_len`` keys (upper bounds: each program stops at its own request's sizes).
+
+Decision: off unless ``VLLM_BOLE_TREE_GRAPHS=1`` until an H200 run shows it lossless and faster (not
+yet run there). The padding is what CPU tests can check (``tests/test_tree_graphs.py``: the kernels
+on a padded step equal them on the step itself); the capture needs a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import numpy as np
+import torch
+
+from vllm_bole.adapter.tree_step import TreeStep
+from vllm_bole.spec_decode.tree import MAX_NODES, TreeBatch
+from vllm_bole.transfer import pack, unpack
+
+logger = logging.getLogger("vllm_bole")
+GRAPHS_ENV = "VLLM_BOLE_TREE_GRAPHS"
+WORDS = (MAX_NODES + 31) // 32
+
+
+def enabled() -> bool:
+    return os.environ.get(GRAPHS_ENV, "0") == "1"
+
+
+def plan(max_requests: int, nodes: int, capture_sizes) -> list[tuple[int, int]]:
+    """The buckets (requests, tokens), smallest token count first: requests powers of two up to the first
+    above ``max_requests`` (a full batch still needs a padding request)."""
+    batches = [1 << i for i in range(17) if (1 << i) // 2 <= max_requests]
+    return sorted(((b, t) for b in batches for t in capture_sizes if b < t <= b * nodes), key=lambda bt: (bt[1], bt[0]))
+
+
+def pick(buckets, requests: int, tokens: int, nodes: int) -> tuple[int, int] | None:
+    """The first bucket (``plan``'s order) holding ``requests`` trees of ``tokens`` nodes in all with at
+    least one padding request, the padding at most ``nodes`` per padding request; None if none does."""
+    for b, t in buckets:
+        pad_r, pad_t = b - requests, t - tokens
+        if pad_r >= 1 and pad_r <= pad_t <= pad_r * nodes:
+            return b, t
+    return None
+
+
+def padding_trees(requests: int, tokens: int, nodes: int) -> dict[str, np.ndarray]:
+    """``requests`` star trees of at most ``nodes`` nodes, ``tokens`` in all (each >= 1): parent, depth
+    [tokens], sizes [requests], path [tokens, 2], anc_mask [tokens, WORDS] (int32)."""
+    sizes = np.ones(requests, np.int64)
+    extra = tokens - requests
+    for r in range(requests):  # fill the first ones up to ``nodes``
+        add = min(extra, nodes - 1)
+        sizes[r] += add
+        extra -= add
+    local = np.arange(tokens) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    anc = np.zeros((tokens, WORDS), np.int64)
+    anc[:, 0] = 1
+    anc[np.arange(tokens), local // 32] |= np.left_shift(1, local % 32)
+    return dict(parent=np.where(local == 0, -1, 0).astype(np.int32), depth=(local > 0).astype(np.int32),
+                sizes=sizes, path=np.stack([np.zeros(tokens, np.int32), np.where(local > 0, local, -1)], 1),
+                anc_mask=np.where(anc >= 2**31, anc - 2**32, anc).astype(np.int32))
+
+
+class StaticStep:
+    """A bucket's :class:`TreeStep` in fixed tensors (views of one device buffer, filled from one pinned
+    host buffer): ``B`` requests, ``T`` tokens, trees of at most ``nodes`` nodes and ``depth`` deep."""
+
+    def __init__(self, B: int, T: int, nodes: int, depth: int, max_model_len: int, table_widths: dict,
+                 slot_groups, kernels: str, device):
+        self.B, self.T, self.nodes, self.depth = B, T, nodes, depth
+        i32, i64 = torch.int32, torch.int64
+        like = dict(token=torch.zeros(T, dtype=i64), parent=torch.zeros(T, dtype=i32), depth=torch.zeros(T, dtype=i32),
+                    cu=torch.zeros(B + 1, dtype=i32), path=torch.zeros(T, depth + 1, dtype=i32),
+                    anc=torch.zeros(T, WORDS, dtype=i32), prefix=torch.zeros(B, dtype=i64),
+                    **{f"table{g}": torch.zeros(B, w, dtype=i32) for g, w in table_widths.items()},
+                    **{f"slots{g}": torch.zeros(B, dtype=i64) for g in slot_groups})
+        self.names = list(like)
+        buf, spans = pack(list(like.values()))
+        pinned = torch.device(device).type == "cuda"
+        self.host_buf = buf.pin_memory() if pinned else buf
+        self.dev_buf = torch.zeros_like(buf, device=device)
+        self.host = dict(zip(self.names, unpack(self.host_buf, like.values(), spans)))
+        self.dev = dict(zip(self.names, unpack(self.dev_buf, like.values(), spans)))
+        d = self.dev
+        tree = TreeBatch(token_ids=d["token"], parent=d["parent"], depth=d["depth"], cu_nodes=d["cu"], path=d["path"],
+                         anc_mask=d["anc"], max_nodes=nodes)
+        self.step = TreeStep(num_plain=0, tok_start=0, tree=tree, host_tree=tree, prefix_len=d["prefix"], req_ids=[],
+                             rows=[], block_tables={g: d[f"table{g}"] for g in table_widths},
+                             state_slots={g: d[f"slots{g}"] for g in slot_groups},
+                             fresh=torch.zeros(B, dtype=torch.bool), chain_len=[], max_kv_len=max_model_len,
+                             kernels=kernels)
+
+    def fill(self, tree: TreeBatch | None, prefix=(), tables=None, slots=None) -> None:
+        """The real step (host tree; prefix [b]; tables / slots by group, [b, width] / [b] host arrays; None:
+        padding alone) padded into the bucket, then ONE copy to the device."""
+        h = self.host
+        b, t = (tree.num_requests, tree.num_nodes) if tree is not None else (0, 0)
+        pad = padding_trees(self.B - b, self.T - t, self.nodes)
+        h["path"].fill_(-1)
+        for name in ("prefix", *(n for n in self.names if n.startswith(("table", "slots")))):
+            h[name].zero_()
+        h["cu"][0] = 0
+        if tree is not None:
+            h["parent"][:t], h["depth"][:t], h["cu"][: b + 1] = tree.parent, tree.depth, tree.cu_nodes
+            h["path"][:t, : tree.path.shape[1]], h["anc"][:t] = tree.path, tree.anc_mask
+            h["prefix"][:b] = torch.from_numpy(np.asarray(prefix, np.int64))
+            for g, tab in tables.items():
+                h[f"table{g}"][:b, : tab.shape[1]] = torch.as_tensor(tab)
+            for g, s in slots.items():
+                h[f"slots{g}"][:b] = torch.from_numpy(np.asarray(s, np.int64))
+        h["parent"][t:], h["depth"][t:] = torch.from_numpy(pad["parent"]), torch.from_numpy(pad["depth"])
+        h["cu"][b + 1:] = torch.from_numpy(t + np.cumsum(pad["sizes"]).astype(np.int32))
+        h["path"][t:, :2], h["anc"][t:] = torch.from_numpy(pad["path"]), torch.from_numpy(pad["anc_mask"])
+        self.dev_buf.copy_(self.host_buf, non_blocking=True)
+
+
+class TreeGraphs:
+    """Every bucket's :class:`StaticStep` and CUDA graph of the target forward (on the runner, after its
+    warm-up), and their replay for a real step."""
+
+    def __init__(self, runner):
+        cfg = runner.bole_config
+        self.nodes = cfg.num_speculative_tokens + 1
+        sizes = [s for s in getattr(runner, "cudagraph_batch_sizes", []) if s <= runner.max_num_tokens]
+        self.buckets = plan(runner.scheduler_config.max_num_seqs, self.nodes, sizes)
+        widths = {g.group: runner.input_batch.block_table[g.group].block_table.cpu.shape[1]
+                  for g in runner._bole_attention}
+        self.static = {bt: StaticStep(*bt, self.nodes, cfg.depth, runner.max_model_len, widths,
+                                      list(runner._bole_recurrent), cfg.kernels, runner.device) for bt in self.buckets}
+        # per bucket: the graph, its output, and each recurrent layer's saved inputs (graph-pool tensors the
+        # replays rewrite; the commit after a replay reads them)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object, dict]] = {}
+        self.pool = None
+
+    @staticmethod
+    def _forward(runner, T: int, ctx: dict):
+        """The target forward over the first ``T`` tokens of vLLM's persistent input buffers, tree overrides
+        on; ``ctx``: the forward context's slot mappings and padding mask (vLLM's persistent buffers too,
+        prepared outside any capture)."""
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import set_forward_context
+
+        with set_forward_context(None, runner.vllm_config, num_tokens=T, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                 **ctx):
+            return runner.model(input_ids=runner.input_ids.gpu[:T], positions=runner.positions[:T])
+
+    def capture(self, runner) -> None:
+        """One graph per bucket, each on a synthetic step of padding trees on the null block (their K/V
+        writes skipped: slot mapping -1)."""
+        for (B, T), st in self.static.items():
+            st.fill(None)
+            _, slots = runner._get_slot_mappings(num_tokens_padded=T, num_reqs_padded=B, num_tokens_unpadded=T)
+            ctx = dict(slot_mapping=slots, is_padding=runner._prepare_padding_mask(T, T))
+            self._no_kv_writes(runner, 0, T)
+            runner._bole_active.step = st.step
+            try:
+                self._forward(runner, T, ctx)  # eager first: allocations, lazy initialisation
+                torch.cuda.synchronize(runner.device)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self._forward(runner, T, ctx)
+            finally:
+                runner._bole_active.step = None
+            layers = [layer for group in runner._bole_recurrent.values() for layer in group]
+            self.graphs[(B, T)] = (graph, out, {layer: layer._saved for layer in layers})
+            for layer in layers:
+                layer._saved = None
+        logger.info("vllm-bole: %d tree-step CUDA graphs captured", len(self.graphs))
+
+    @staticmethod
+    def _no_kv_writes(runner, start: int, end: int) -> None:
+        for g in runner._bole_attention:
+            runner.input_batch.block_table[g.group].slot_mapping.gpu[start:end].fill_(-1)
+
+    def replay(self, runner, step: TreeStep):
+        """The target's hidden states ``[T_bucket, ...]`` of ``step`` (tree requests alone) from its bucket's
+        graph, or None when no bucket holds it. The layers' saved inputs then name the real step."""
+        bt = pick(self.buckets, step.tree.num_requests, step.num_tokens, self.nodes)
+        if bt is None or bt not in self.graphs:
+            return None
+        graph, out, saved = self.graphs[bt]
+        st = self.static[bt]
+        st.fill(step.host_tree, step.host["prefix"], step.host["tables"], step.state_slots_host)
+        t = step.num_tokens
+        self._no_kv_writes(runner, t, bt[1])
+        runner.input_ids.gpu[t: bt[1]].clamp_(min=0)
+        if bool(step.fresh.any()):  # the eager path zeroes fresh slots' states inside the conv; here before
+            for gid, layers in runner._bole_recurrent.items():
+                for layer in layers:
+                    layer.zero_states(step, step.state_slots[gid])
+        graph.replay()
+        for gid, layers in runner._bole_recurrent.items():
+            for layer in layers:
+                layer._saved = dataclasses.replace(saved[layer], step=step, slots=step.state_slots[gid])
+        return out
