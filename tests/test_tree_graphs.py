@@ -105,3 +105,25 @@ def test_ssd_step_on_the_padded_step_equals_the_step(kernels):
                         dt_softplus=True)
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[1:], ref_state[1:])  # the real requests' slots; slot 0 is the padding's
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_gdn_step_on_the_padded_step_equals_the_step(kernels):
+    from vllm_bole.gdn import gdn_tree_step
+
+    gen = torch.Generator().manual_seed(4)
+    Hk, Hv, K, V = 1, 2, 16, 16
+    tree = random_tree_batch([7, 2, 1], generator=gen)
+    bucket = pick(plan(8, NODES, SIZES), tree.num_requests, tree.num_nodes, NODES)
+    slots = np.array([3, 1, 2])
+    st = _padded(tree, bucket, np.array([4, 4, 4]), {}, {0: slots})
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    T, t = bucket[1], tree.num_nodes
+    q, k, v = r(T, Hk, K), r(T, Hk, K), r(T, Hv, V)
+    g, beta = -torch.rand(T, Hv, generator=gen) * 0.5, torch.rand(T, Hv, generator=gen)
+    state = r(4, Hv, K, V) * 0.1
+    ref_state = state.clone()
+    want = gdn_tree_step(q[:t], k[:t], v[:t], g[:t], beta[:t], tree, ref_state, torch.from_numpy(slots), kernels=kernels)
+    got = gdn_tree_step(q, k, v, g, beta, st.step.tree, state, st.step.state_slots[0], kernels=kernels)
+    torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[1:], ref_state[1:])
