@@ -124,6 +124,31 @@ def lr_at(step: int, total: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def _optimize(name: str, params, opt, loss_of, train, seq: int, batch: int, total: int, gen) -> tuple[list, float]:
+    """``total`` steps of ``opt`` on ``loss_of(x)`` (x: ``batch`` random windows of ``seq + 1`` tokens of
+    ``train``, bf16 autocast on CUDA), lr by ``lr_at``, gradients clipped at 1. Returns (loss curve, seconds)."""
+    import torch
+
+    params = list(params)
+    peak = opt.param_groups[0]["lr"]
+    losses, t0 = [], time.monotonic()
+    for step in range(total):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, peak)
+        starts = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
+        x = train[(starts[:, None] + torch.arange(seq + 1)).to(train.device)]
+        with torch.autocast(train.device.type, dtype=torch.bfloat16, enabled=train.device.type == "cuda"):
+            loss = loss_of(x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 50 == 0 or step == total - 1:
+            losses.append([step, round(float(loss.detach()), 4)])
+            print(f"{name} step {step}/{total} loss {float(loss.detach()):.3f} {time.monotonic() - t0:.0f}s", flush=True)
+    return losses, time.monotonic() - t0
+
+
 def train_one(name: str, args) -> dict:
     import torch
     import transformers
@@ -138,25 +163,10 @@ def train_one(name: str, args) -> dict:
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
                             lr=LR[name], betas=(0.9, 0.95), fused=dev.type == "cuda")
-    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     seq, batch = (64, 4) if args.tiny else (SEQ, BATCH)
-    total, losses, t0 = args.steps or STEPS[name], [], time.monotonic()
-    for step in range(total):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, LR[name])
-        starts = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
-        idx = starts[:, None] + torch.arange(seq + 1)
-        x = train[idx.to(dev)]
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss = _loss(model, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0 or step == total - 1:
-            losses.append([step, round(float(loss.detach()), 4)])
-            print(f"{name} step {step}/{total} loss {float(loss.detach()):.3f} {time.monotonic() - t0:.0f}s", flush=True)
-    seconds = time.monotonic() - t0
+    total = args.steps or STEPS[name]
+    losses, seconds = _optimize(name, model.parameters(), opt, lambda x: _loss(model, x), train, seq, batch, total,
+                                torch.Generator(device="cpu").manual_seed(args.seed + 1))
     model.eval()
     out = args.out / name
     shutil.rmtree(out, ignore_errors=True)
@@ -221,32 +231,23 @@ def train_head(kind: str, args) -> dict:
     target = target.to(dev).eval().requires_grad_(False)
     head = _new_head(kind, target.config).to(dev)
     opt = torch.optim.AdamW(head.parameters(), lr=LR[kind], betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator(device="cpu").manual_seed(args.seed + 2)
     seq, batch = (64, 2) if args.tiny else (SEQ, HEAD_BATCH)
-    total, losses, t0 = args.steps or STEPS[kind], [], time.monotonic()
-    for step in range(total):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, LR[kind])
-        starts = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
-        x = train[(starts[:, None] + torch.arange(seq + 1)).to(dev)]
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            h, lm, greedy = _target_features(target, x)
-            logits = _head_logits(head, lm, h.float(), greedy)
-            loss = sum(torch.nn.functional.cross_entropy(l.flatten(0, 1).float(), greedy[:, d:].flatten())
-                       for d, l in enumerate(logits, 1)) / len(logits)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0 or step == total - 1:
-            losses.append([step, round(float(loss.detach()), 4)])
-            print(f"{kind} step {step}/{total} loss {float(loss.detach()):.3f} {time.monotonic() - t0:.0f}s", flush=True)
+    total = args.steps or STEPS[kind]
+
+    def loss_of(x):
+        h, lm, greedy = _target_features(target, x)
+        logits = _head_logits(head, lm, h.float(), greedy)
+        return sum(torch.nn.functional.cross_entropy(l.flatten(0, 1).float(), greedy[:, d:].flatten())
+                   for d, l in enumerate(logits, 1)) / len(logits)
+
+    losses, seconds = _optimize(kind, head.parameters(), opt, loss_of, train, seq, batch, total,
+                                torch.Generator(device="cpu").manual_seed(args.seed + 2))
     out = args.out / kind
     shutil.rmtree(out, ignore_errors=True)
     head.save(str(out))
     return dict(model=kind, arch=type(head).__name__, target=args.head_target, depth=HEAD_DEPTH,
                 params=sum(p.numel() for p in head.parameters()), steps=total, tokens=total * batch * seq,
-                seconds=round(time.monotonic() - t0, 1), loss=losses, lr=LR[kind], seq=seq, batch=batch)
+                seconds=round(seconds, 1), loss=losses, lr=LR[kind], seq=seq, batch=batch)
 
 
 def evaluate_head(args, kind: str, x) -> dict:

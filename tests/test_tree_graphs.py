@@ -85,22 +85,26 @@ def test_tree_attention_on_the_padded_step_equals_the_step(kernels):
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
 
 
+def _recurrent_case(sizes, seed):
+    """A step of trees of ``sizes`` nodes on state slots 1.. (slot 0 is the padding's) and its padded bucket."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = random_tree_batch(sizes, generator=gen)
+    bucket = pick(plan(8, NODES, SIZES), tree.num_requests, tree.num_nodes, NODES)
+    slots = np.random.default_rng(seed).permutation(len(sizes)) + 1
+    st = _padded(tree, bucket, np.full(len(sizes), 4), {}, {0: slots})
+    return gen, tree, torch.from_numpy(slots), st, bucket[1], tree.num_nodes
+
+
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_ssd_step_on_the_padded_step_equals_the_step(kernels):
-    gen = torch.Generator().manual_seed(2)
     H, G, P, N = 4, 2, 16, 8
-    tree = random_tree_batch([5, 1, 9], generator=gen)
-    bucket = pick(plan(8, NODES, SIZES), tree.num_requests, tree.num_nodes, NODES)
-    slots = np.array([2, 1, 3])
-    st = _padded(tree, bucket, np.array([4, 4, 4]), {}, {0: slots})
+    gen, tree, slots, st, T, t = _recurrent_case([5, 1, 9], 2)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    T, t = bucket[1], tree.num_nodes
     x, dt, Bm, Cm = r(T, H, P), r(T, H), r(T, G, N) * 0.5, r(T, G, N) * 0.5
     A = -(torch.rand(H, generator=gen) + 0.1)
     state = r(4, H, P, N)
     ref_state = state.clone()
-    want = ssd_tree_step(x[:t], dt[:t], A, Bm[:t], Cm[:t], tree, ref_state, torch.from_numpy(slots), kernels=kernels,
-                         dt_softplus=True)
+    want = ssd_tree_step(x[:t], dt[:t], A, Bm[:t], Cm[:t], tree, ref_state, slots, kernels=kernels, dt_softplus=True)
     got = ssd_tree_step(x, dt, A, Bm, Cm, st.step.tree, state, st.step.state_slots[0], kernels=kernels,
                         dt_softplus=True)
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
@@ -111,19 +115,14 @@ def test_ssd_step_on_the_padded_step_equals_the_step(kernels):
 def test_gdn_step_on_the_padded_step_equals_the_step(kernels):
     from vllm_bole.gdn import gdn_tree_step
 
-    gen = torch.Generator().manual_seed(4)
     Hk, Hv, K, V = 1, 2, 16, 16
-    tree = random_tree_batch([7, 2, 1], generator=gen)
-    bucket = pick(plan(8, NODES, SIZES), tree.num_requests, tree.num_nodes, NODES)
-    slots = np.array([3, 1, 2])
-    st = _padded(tree, bucket, np.array([4, 4, 4]), {}, {0: slots})
+    gen, tree, slots, st, T, t = _recurrent_case([7, 2, 1], 4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    T, t = bucket[1], tree.num_nodes
     q, k, v = r(T, Hk, K), r(T, Hk, K), r(T, Hv, V)
     g, beta = -torch.rand(T, Hv, generator=gen) * 0.5, torch.rand(T, Hv, generator=gen)
     state = r(4, Hv, K, V) * 0.1
     ref_state = state.clone()
-    want = gdn_tree_step(q[:t], k[:t], v[:t], g[:t], beta[:t], tree, ref_state, torch.from_numpy(slots), kernels=kernels)
+    want = gdn_tree_step(q[:t], k[:t], v[:t], g[:t], beta[:t], tree, ref_state, slots, kernels=kernels)
     got = gdn_tree_step(q, k, v, g, beta, st.step.tree, state, st.step.state_slots[0], kernels=kernels)
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[1:], ref_state[1:])
