@@ -268,6 +268,23 @@ def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     assert [p for _, _, p in warm["shapes"][-2:]] == [256, 512 - top]  # long-key tiles: plain, then split-K
 
 
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_next"])
+def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch):
+    """Tree steps through the tree-graph path (``vllm_bole.adapter.tree_graphs``, ``VLLM_BOLE_TREE_GRAPHS=1``;
+    on CPU each bucket replays eagerly: the padded static step through the model): every tree step of
+    tree requests alone is padded into its bucket (padding requests on the null block and slot 0), the
+    commit reads the padded step's saved inputs; every stream still equals non-speculative vLLM."""
+    base = engines.run(arch, "base")["greedy"]
+    job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch), tree_graphs=True)
+    r = engine_run.run_engine(models[arch], [job], spec=spec_config("draft_model", models[arch]),
+                              env={"VLLM_BOLE_TREE_GRAPHS": "1"})
+    ours = r["jobs"][0]
+    _check_equal(arch, base, ours)
+    st = ours["stats"]
+    print(f"{arch} tree graphs: {ours['tree_graphs']} buckets, {st['graph_tree_steps']} of {st['tree_steps']} tree steps")
+    assert ours["tree_graphs"][0] > 0 and st["graph_tree_steps"] >= st["tree_steps"] // 2
+
+
 @pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])
 def test_hidden_state_drafters_greedy_equal(engines, models, arch, kind, tmp_path):
     """drafter 'block' / 'mtp' (``spec_decode.block_drafter``: heads on the target's last hidden state, the

@@ -6,8 +6,8 @@ import contextlib
 from vllm.v1.worker import cpu_worker as _cpu_worker_mod
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_bole.adapter.worker import (bole_set_budget_rpc, bole_stats_rpc, bole_warm_up_rpc, model_side_config,
-                                     runner_class, tree_config_of)
+from vllm_bole.adapter.worker import (bole_capture_tree_graphs_rpc, bole_set_budget_rpc, bole_stats_rpc,
+                                     bole_warm_up_rpc, model_side_config, runner_class, tree_config_of)
 
 BoleCPUModelRunner = runner_class(CPUModelRunner)
 
@@ -37,3 +37,4 @@ class BoleCPUWorker(_cpu_worker_mod.CPUWorker):
     bole_stats = bole_stats_rpc
     bole_set_budget = bole_set_budget_rpc
     bole_warm_up = bole_warm_up_rpc
+    bole_capture_tree_graphs = bole_capture_tree_graphs_rpc

@@ -17,8 +17,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker as _GPUWorker
 
 from vllm_bole.adapter.config_hook import V2_ENV
-from vllm_bole.adapter.worker import (bole_set_budget_rpc, bole_stats_rpc, bole_warm_up_rpc, model_side_config,
-                                     runner_class, tree_config_of)
+from vllm_bole.adapter.worker import (bole_capture_tree_graphs_rpc, bole_set_budget_rpc, bole_stats_rpc,
+                                     bole_warm_up_rpc, model_side_config, runner_class, tree_config_of)
 
 logger = logging.getLogger("vllm_bole")
 BoleGPUModelRunner = runner_class(GPUModelRunner)
@@ -52,7 +52,7 @@ class BoleGPUWorker(_GPUWorker):
             logger.warning("vllm-bole: the tree-step warm-up failed; its kernels compile at their first use "
                            "instead", exc_info=True)
         try:  # opt-in (VLLM_BOLE_TREE_GRAPHS=1): tree steps of tree requests alone from CUDA graphs
-            self.model_runner.bole_capture_tree_graphs()
+            self.bole_capture_tree_graphs()
         except Exception:  # noqa: BLE001 - tree steps then run piecewise, as without the option
             self.model_runner._bole_graphs = None
             logger.warning("vllm-bole: capturing the tree-step CUDA graphs failed; tree steps run piecewise",
@@ -62,3 +62,4 @@ class BoleGPUWorker(_GPUWorker):
     bole_stats = bole_stats_rpc
     bole_set_budget = bole_set_budget_rpc
     bole_warm_up = bole_warm_up_rpc
+    bole_capture_tree_graphs = bole_capture_tree_graphs_rpc

@@ -220,22 +220,25 @@ class TreeRunnerMixin:
         self._bole_installed = True
         self._bole_log_start()
 
-    def bole_capture_tree_graphs(self) -> None:
-        """With ``VLLM_BOLE_TREE_GRAPHS=1`` on CUDA, CUDA graphs enabled and a text-only model: capture
-        :mod:`~vllm_bole.adapter.tree_graphs`' graphs (after the warm-up; the GPU worker calls it)."""
+    def bole_capture_tree_graphs(self) -> int:
+        """With ``VLLM_BOLE_TREE_GRAPHS=1``, CUDA graphs enabled (on CUDA) and a text-only model: capture
+        :mod:`~vllm_bole.adapter.tree_graphs`' graphs (after the warm-up; the GPU worker calls it; on CPU
+        the buckets replay eagerly, for tests). Returns the number of buckets."""
         from vllm_bole.adapter import tree_graphs
 
         mode = getattr(self.compilation_config, "cudagraph_mode", None)
-        if not tree_graphs.enabled() or torch.device(self.device).type != "cuda" or mode is None or mode.name == "NONE":
-            return
+        cuda = torch.device(self.device).type == "cuda"
+        if not tree_graphs.enabled() or (cuda and (mode is None or mode.name == "NONE")):
+            return 0
         if getattr(self, "uses_mrope", False) or getattr(self, "supports_mm_inputs", False) or \
                 getattr(self, "use_aux_hidden_state_outputs", False):
             logger.info("vllm-bole: tree-step CUDA graphs are for text-only models without M-RoPE; not captured")
-            return
+            return 0
         self._bole_install_layers()
         graphs = tree_graphs.TreeGraphs(self)
         graphs.capture(self)
         self._bole_graphs = graphs
+        return len(graphs.buckets)
 
     def _bole_log_start(self) -> None:
         """The one INFO line that says tree speculation is on, and how."""
@@ -535,8 +538,8 @@ class TreeRunnerMixin:
                         state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain,
                         max_kv_len=int(prefix_np.max()) + host_tree.max_nodes, kernels=self.bole_config.kernels,
                         state_slots_host={gid: s.tolist() for gid, s in zip(self._bole_recurrent, host_slots)},
-                        host=dict(prefix=prefix_np,
-                                  tables={g: ib.block_table[g].block_table.np[rows] for g in groups}))
+                        host=dict(prefix=prefix_np, tables={g: ib.block_table[g].block_table.np[rows] for g in groups})
+                        if self._bole_graphs is not None else {})
 
     def _bole_check_slots(self, step: TreeStep) -> None:
         """The KV slots vLLM writes the tree tokens to are the core's tree slots."""

@@ -16,8 +16,10 @@ launcher sizes from the host is the bucket's bound: ``nodes`` per tree, the conf
 ``max_model_len`` keys (upper bounds: each program stops at its own request's sizes).
 
 Decision: off unless ``VLLM_BOLE_TREE_GRAPHS=1`` until an H200 run shows it lossless and faster (not
-yet run there). The padding is what CPU tests can check (``tests/test_tree_graphs.py``: the kernels
-on a padded step equal them on the step itself); the capture needs a GPU.
+yet run there). On CPU the same path runs with every "graph" replayed eagerly (the padded static step
+through the model, no capture), so the CPU tests check everything but the capture itself
+(``tests/test_tree_graphs.py``: the kernels on a padded step equal them on the step itself; inside
+vLLM greedy streams identical with every tree step padded).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from vllm_bole.transfer import pack, unpack
 
 logger = logging.getLogger("vllm_bole")
 GRAPHS_ENV = "VLLM_BOLE_TREE_GRAPHS"
+SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # without vLLM's capture sizes (CPU)
 WORDS = (MAX_NODES + 31) // 32
 
 
@@ -136,15 +139,17 @@ class TreeGraphs:
     def __init__(self, runner):
         cfg = runner.bole_config
         self.nodes = cfg.num_speculative_tokens + 1
-        sizes = [s for s in getattr(runner, "cudagraph_batch_sizes", []) if s <= runner.max_num_tokens]
+        sizes = [s for s in getattr(runner, "cudagraph_batch_sizes", None) or SIZES if s <= runner.max_num_tokens]
         self.buckets = plan(runner.scheduler_config.max_num_seqs, self.nodes, sizes)
         widths = {g.group: runner.input_batch.block_table[g.group].block_table.cpu.shape[1]
                   for g in runner._bole_attention}
         self.static = {bt: StaticStep(*bt, self.nodes, cfg.depth, runner.max_model_len, widths,
                                       list(runner._bole_recurrent), cfg.kernels, runner.device) for bt in self.buckets}
-        # per bucket: the graph, its output, and each recurrent layer's saved inputs (graph-pool tensors the
-        # replays rewrite; the commit after a replay reads them)
+        # per bucket: the forward context's buffers, and on CUDA the graph, its output and each recurrent
+        # layer's saved inputs (graph-pool tensors the replays rewrite; the commit after a replay reads them)
+        self.ctx: dict[tuple[int, int], dict] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object, dict]] = {}
+        self.cuda = torch.device(runner.device).type == "cuda"
         self.pool = None
 
     @staticmethod
@@ -161,11 +166,13 @@ class TreeGraphs:
 
     def capture(self, runner) -> None:
         """One graph per bucket, each on a synthetic step of padding trees on the null block (their K/V
-        writes skipped: slot mapping -1)."""
+        writes skipped: slot mapping -1); on CPU only the buckets' forward contexts (eager replays)."""
         for (B, T), st in self.static.items():
-            st.fill(None)
             _, slots = runner._get_slot_mappings(num_tokens_padded=T, num_reqs_padded=B, num_tokens_unpadded=T)
-            ctx = dict(slot_mapping=slots, is_padding=runner._prepare_padding_mask(T, T))
+            ctx = self.ctx[(B, T)] = dict(slot_mapping=slots, is_padding=runner._prepare_padding_mask(T, T))
+            if not self.cuda:
+                continue
+            st.fill(None)
             self._no_kv_writes(runner, 0, T)
             runner._bole_active.step = st.step
             try:
@@ -182,7 +189,8 @@ class TreeGraphs:
             self.graphs[(B, T)] = (graph, out, {layer: layer._saved for layer in layers})
             for layer in layers:
                 layer._saved = None
-        logger.info("vllm-bole: %d tree-step CUDA graphs captured", len(self.graphs))
+        logger.info("vllm-bole: %d tree-step CUDA graphs captured%s", len(self.static),
+                    "" if self.cuda else " (CPU: replayed eagerly)")
 
     @staticmethod
     def _no_kv_writes(runner, start: int, end: int) -> None:
@@ -193,9 +201,8 @@ class TreeGraphs:
         """The target's hidden states ``[T_bucket, ...]`` of ``step`` (tree requests alone) from its bucket's
         graph, or None when no bucket holds it. The layers' saved inputs then name the real step."""
         bt = pick(self.buckets, step.tree.num_requests, step.num_tokens, self.nodes)
-        if bt is None or bt not in self.graphs:
+        if bt is None or bt not in self.ctx:
             return None
-        graph, out, saved = self.graphs[bt]
         st = self.static[bt]
         st.fill(step.host_tree, step.host["prefix"], step.host["tables"], step.state_slots_host)
         t = step.num_tokens
@@ -205,7 +212,16 @@ class TreeGraphs:
             for gid, layers in runner._bole_recurrent.items():
                 for layer in layers:
                     layer.zero_states(step, step.state_slots[gid])
-        graph.replay()
+        if self.cuda:
+            graph, out, saved = self.graphs[bt]
+            graph.replay()
+        else:  # the same padded step through the model, eagerly
+            runner._bole_active.step = st.step
+            try:
+                out = self._forward(runner, bt[1], self.ctx[bt])
+            finally:
+                runner._bole_active.step = step
+            saved = {layer: layer._saved for group in runner._bole_recurrent.values() for layer in group}
         for gid, layers in runner._bole_recurrent.items():
             for layer in layers:
                 layer._saved = dataclasses.replace(saved[layer], step=step, slots=step.state_slots[gid])

@@ -36,7 +36,7 @@ class TreeStep:
     max_kv_len: int  # host: the longest prefix + tree (tree attention sizes its grid from it, no device sync)
     kernels: str = "auto"  # core kernels: auto (Triton on CUDA, torch on CPU), torch, triton
     state_slots_host: dict[int, list[int]] = field(default_factory=dict)  # state_slots on the host (bookkeeping)
-    host: dict = field(default_factory=dict)  # "prefix" [Bt] and "tables" {group: [Bt, width]}: host arrays
+    host: dict = field(default_factory=dict)  # with tree graphs: "prefix" [Bt], "tables" {group: [Bt, width]} (host)
 
     @property
     def num_tokens(self) -> int:

@@ -78,6 +78,11 @@ def bole_warm_up_rpc(self) -> dict:
     return warm_up_tree_kernels(self.model_runner)
 
 
+def bole_capture_tree_graphs_rpc(self) -> int:
+    """Worker method (``collective_rpc("bole_capture_tree_graphs")``): the runner's, see there."""
+    return self.model_runner.bole_capture_tree_graphs()
+
+
 def bole_set_budget_rpc(self, budget) -> int | str:
     """Worker method (``collective_rpc("bole_set_budget", args=(budget,))``): see the runner's."""
     return self.model_runner.bole_set_budget(budget)

@@ -74,14 +74,17 @@ def build_models(out_dir, archs=None, timeout: float = 600) -> dict[str, Path]:
 
 def generate_job(prompts, max_tokens: int = 64, *, logprobs: int | None = None, sampling: dict | list | None = None,
                  rescore: int | None = None, budget: int | str | None = None, concurrency: int | None = None,
-                 warm_up: bool = False) -> dict:
+                 warm_up: bool = False, tree_graphs: bool = False) -> dict:
     """``sampling``: extra ``SamplingParams`` fields for every prompt, or a list of them, one per prompt.
     A ``stop_token_ids`` value ``{"from_job": j, "prompt": p, "start": a, "end": b}`` means the distinct
     tokens ``a:b`` of an earlier job's stream ``p``. ``budget``: the tree node budget from this job on
     (``bole_set_budget``). ``concurrency``: prompts go in groups of that many, one ``generate`` each.
-    ``warm_up``: the tree runner's warm-up steps first (``bole_warm_up``; its report in ``warm_up``)."""
+    ``warm_up``: the tree runner's warm-up steps first (``bole_warm_up``; its report in ``warm_up``).
+    ``tree_graphs``: then the tree-step graphs (``bole_capture_tree_graphs``, with ``VLLM_BOLE_TREE_GRAPHS=1``
+    in the engine's environment; its bucket count in ``tree_graphs``)."""
     return dict(kind="generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
-                sampling=sampling or {}, rescore=rescore, budget=budget, concurrency=concurrency, warm_up=warm_up)
+                sampling=sampling or {}, rescore=rescore, budget=budget, concurrency=concurrency, warm_up=warm_up,
+                tree_graphs=tree_graphs)
 
 
 def mixed_job(requests: list[dict], max_tokens: int) -> dict:
@@ -375,6 +378,7 @@ def _run(req) -> dict:
             if job.get("budget") is not None:
                 llm.collective_rpc("bole_set_budget", args=(job["budget"],))
             warm = llm.collective_rpc("bole_warm_up") if job.get("warm_up") else None
+            graphs = llm.collective_rpc("bole_capture_tree_graphs") if job.get("tree_graphs") else None
             before, counters, t1 = _stats(llm, req), _counters(llm), time.monotonic()
             res = dict(generate=_generate, mixed=_mixed, soak=_soak)[job["kind"]](llm, job, out["jobs"])
             res["seconds"] = time.monotonic() - t1
@@ -382,6 +386,8 @@ def _run(req) -> dict:
             res["counters"] = {k: v - counters.get(k, 0) for k, v in _counters(llm).items()}
             if warm is not None:
                 res["warm_up"] = warm
+            if graphs is not None:
+                res["tree_graphs"] = graphs
             out["jobs"].append(res)
     finally:
         llm.llm_engine.engine_core.shutdown()
