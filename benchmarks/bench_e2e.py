@@ -160,7 +160,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
                    forward_ms=1000 * st["forward_s"] / max(st["tree_steps"], 1),
                    prepare_ms=1000 * st["prepare_s"] / max(st["steps"], 1),
-                   tree_steps=st["tree_steps"], drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
+                   tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
+                   drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                    branch_by_depth=st.get("branch_by_depth"))
         if cell["budget"] == "auto" and st.get("budget_steps"):
             row.update(chosen_nodes_per_step=st["budget_nodes"] / st["budget_steps"],
@@ -186,9 +187,11 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
     jobs = warmup_jobs(prompts, deadline) + [j for d, t, c, b in eng["cells"] for j in job(prompts, d, t, c, deadline, b)]
     spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("beam", 0))
     base = dict(mode=eng["mode"], drafter=eng["drafter"], draft_beam=eng.get("beam", 0), budget=eng["k"])
+    graphs = args.tree_graphs and eng["mode"].startswith("bole")
     try:
         out = engine_run.run_engine(args.target, jobs, spec=spec, llm_kwargs=engine_kwargs(args),
-                                    timeout=min(ENGINE_TIMEOUT_S, max(deadline - time.time() + 60, 30)))
+                                    timeout=min(ENGINE_TIMEOUT_S, max(deadline - time.time() + 60, 30)),
+                                    env={"VLLM_BOLE_TREE_GRAPHS": "1"} if graphs else None)
     except Exception as e:  # noqa: BLE001 - the mode's result is its error
         row = dict(base, error=f"{type(e).__name__}: {e}"[-3000:])
         print(_line(row), flush=True)
@@ -196,7 +199,7 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
     rows = []
     for j, res in zip(jobs, out["jobs"]):
         if j["cell"] is not None and "skipped" not in res:
-            rows.append(dict(row_of(eng, j["cell"], res), engine_start_s=out["start_s"]))
+            rows.append(dict(row_of(eng, j["cell"], res), engine_start_s=out["start_s"], tree_graphs=graphs))
             print(_line(rows[-1]), flush=True)
     return rows
 
@@ -332,6 +335,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="MT-Bench greedy only, two budgets (dry runs)")
     ap.add_argument("--seconds", type=float, default=540, help="deadline for the whole part")
     ap.add_argument("--plot", type=Path, help="only draw the plots from the JSON in this folder")
+    ap.add_argument("--tree-graphs", action="store_true",
+                    help="our engines with VLLM_BOLE_TREE_GRAPHS=1 (tree steps from whole CUDA graphs; rows say so)")
     ap.add_argument("--only", action="append", metavar="MODE/DRAFTER",
                     help="run only these engines of the part (e.g. bole_tree/ngram), keeping the part's other rows")
     args = ap.parse_args()

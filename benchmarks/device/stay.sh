@@ -12,9 +12,12 @@
 #   run 3  carry .vllm-gpu/p02 .vllm-gpu/install.sh             BOLE_COMMIT=.. bash benchmarks/device/stay.sh install
 #                                                               [runs 1-3 together ~100 s, machine start included]
 #   run 4  carry .pair/tiny .pair/data (~30 MB together)        BOLE_COMMIT=.. bash benchmarks/device/stay.sh parts smoke  [300 s]
+#          (2026-12-03: the parts are 55 MiB, so p02 + install.sh + .pair/tiny go in run 3 as `install smoke`,
+#          and .pair/data alone in run 4 as `parts train`; `graphs` right after `smoke` when it is to be tried)
 #   run 5                                                       BOLE_COMMIT=.. bash benchmarks/device/stay.sh train        [~350 s + block]
 #   run 6                                                       BOLE_COMMIT=.. bash benchmarks/device/stay.sh trees        [570 s]
 #   run 7  (what is left of the 30 minutes)                     BOLE_COMMIT=.. bash benchmarks/device/stay.sh chains or online
+#   (TREE_GRAPHS=1 before `trees` / `chains`: our engines with tree steps from whole CUDA graphs, once `graphs` passed)
 #
 # Other stages, each one run: `mixed` (mixed batches, ~6 min cold), `soak` (MIXED="nemotron_h mamba2 llama"
 # beside it: 477 s on a fresh machine at f2f2bf4), `kernels` (the Mamba1 tree benchmark, ~2 min), `cost` (one target step at
@@ -68,10 +71,10 @@ stage_train() {
     grep -v '^ ' "$OUT/train_pair.log" | tail -5
 }
 
-bench() {  # part, seconds
+bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whole CUDA graphs
     project
     timeout $(($2 + 90)) python3 benchmarks/bench_e2e.py --part "$1" --pair /tmp/pair --data /tmp/pd --seconds "$2" \
-        > "$OUT/e2e_$1.log" 2>&1
+        ${TREE_GRAPHS:+--tree-graphs} > "$OUT/e2e_$1.log" 2>&1
     cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
     tail -30 "$OUT/e2e_$1.log" | cut -c1-200
 }
