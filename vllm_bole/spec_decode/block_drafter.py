@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from vllm_bole.spec_decode.candidates import Candidates
+from vllm_bole.transfer import upload
 
 CONFIG = "block_drafter.json"
 WEIGHTS = "block_drafter.safetensors"
@@ -56,7 +57,9 @@ class _Head(torch.nn.Module):
     def config(self) -> dict:
         raise NotImplementedError
 
-    def logits(self, h: torch.Tensor, roots: torch.Tensor, depth: int, lm: Logits) -> torch.Tensor:
+    needs_roots = False  # whether ``logits`` reads the roots
+
+    def logits(self, h: torch.Tensor, roots: torch.Tensor | None, depth: int, lm: Logits) -> torch.Tensor:
         """``[B, depth, V]`` logits of depths ``1 .. depth`` after roots ``[B]`` from hidden states ``[B, H]``."""
         raise NotImplementedError
 
@@ -97,6 +100,7 @@ class MTPHead(_Head):
     E t_{d-1}] + b)``; trained for ``depth`` steps."""
 
     kind = "mtp"
+    needs_roots = True
 
     def __init__(self, hidden_size: int, depth: int, vocab_size: int, token_dim: int = 128):
         super().__init__()
@@ -186,7 +190,8 @@ class HeadDrafter:
         if h is None or h.shape[0] != B:
             raise RuntimeError(f"{self.head.kind} drafter: condition() must give {B} hidden states before propose "
                                f"(got {None if h is None else tuple(h.shape)})")
-        roots = torch.tensor([int(x[-1]) if len(x) else 0 for x in histories], device=h.device)
+        roots = upload(torch.tensor([int(x[-1]) if len(x) else 0 for x in histories]), h.device) \
+            if self.head.needs_roots else None
         logits = self.head.logits(h.to(self.head.dtype), roots, D, self.logits_fn).float()
         k = min(self.top_k, logits.shape[-1])
         probs, tokens = logits.softmax(-1).topk(k, dim=-1)
