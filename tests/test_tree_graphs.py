@@ -55,7 +55,7 @@ def test_static_step_holds_the_step_then_padding_requests():
     bucket = pick(plan(8, NODES, SIZES), tree.num_requests, tree.num_nodes, NODES)
     tables = {0: np.arange(6, dtype=np.int32).reshape(3, 2) + 1}
     st = _padded(tree, bucket, np.array([5, 0, 7]), tables, {1: np.array([3, 4, 5])})
-    s, T, t = st.step, bucket[1], tree.num_nodes
+    s, T, t = st.new_step(), bucket[1], tree.num_nodes
     pad = padding_trees(bucket[0] - 3, T - t, NODES)
     assert s.tree.num_nodes == T and s.tree.num_requests == bucket[0]
     assert torch.equal(s.tree.parent[:t], tree.parent) and torch.equal(s.tree.anc_mask[:t], tree.anc_mask)
@@ -65,8 +65,11 @@ def test_static_step_holds_the_step_then_padding_requests():
     assert s.block_tables[0][:3].tolist() == tables[0].tolist() and not s.block_tables[0][3:].any()
     assert s.state_slots[1].tolist() == [3, 4, 5] + [0] * (bucket[0] - 3)
     assert (s.tree.path[:t, : tree.path.shape[1]] == tree.path).all() and (s.tree.path[:t, tree.path.shape[1]:] == -1).all()
+    index = s.tree.request_index.clone()
     st.fill(random_tree_batch([2, 2], generator=gen), np.array([1, 1]), {0: tables[0][:2]}, {1: np.array([9, 8])})
+    s = st.new_step()  # a new tree: what a tree derives follows the new contents
     assert s.state_slots[1].tolist()[:3] == [9, 8, 0] and not s.block_tables[0][2:].any()  # nothing left over
+    assert not torch.equal(s.tree.request_index, index) and s.tree.request_index[:4].tolist() == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -79,7 +82,7 @@ def test_tree_attention_on_the_padded_step_equals_the_step(kernels):
     t = tree.num_nodes
     q = torch.cat([case["q"], torch.randn(bucket[1] - t, *case["q"].shape[1:], generator=gen)])
     want = tree_attention(case["q"], case["kcs"][0], case["vcs"][0], case["bt"], case["P"], case["tree"], kernels=kernels)
-    s = st.step
+    s = st.new_step()
     got = tree_attention(q, case["kcs"][0], case["vcs"][0], s.block_tables[0], s.prefix_len, s.tree, kernels=kernels,
                          max_nodes=NODES, max_kv_len=int(case["P"].max()) + 64)
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
@@ -105,7 +108,8 @@ def test_ssd_step_on_the_padded_step_equals_the_step(kernels):
     state = r(4, H, P, N)
     ref_state = state.clone()
     want = ssd_tree_step(x[:t], dt[:t], A, Bm[:t], Cm[:t], tree, ref_state, slots, kernels=kernels, dt_softplus=True)
-    got = ssd_tree_step(x, dt, A, Bm, Cm, st.step.tree, state, st.step.state_slots[0], kernels=kernels,
+    s = st.new_step()
+    got = ssd_tree_step(x, dt, A, Bm, Cm, s.tree, state, s.state_slots[0], kernels=kernels,
                         dt_softplus=True)
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[1:], ref_state[1:])  # the real requests' slots; slot 0 is the padding's
@@ -123,6 +127,7 @@ def test_gdn_step_on_the_padded_step_equals_the_step(kernels):
     state = r(4, Hv, K, V) * 0.1
     ref_state = state.clone()
     want = gdn_tree_step(q[:t], k[:t], v[:t], g[:t], beta[:t], tree, ref_state, slots, kernels=kernels)
-    got = gdn_tree_step(q, k, v, g, beta, st.step.tree, state, st.step.state_slots[0], kernels=kernels)
+    s = st.new_step()
+    got = gdn_tree_step(q, k, v, g, beta, s.tree, state, s.state_slots[0], kernels=kernels)
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[1:], ref_state[1:])

@@ -268,20 +268,23 @@ def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     assert [p for _, _, p in warm["shapes"][-2:]] == [256, 512 - top]  # long-key tiles: plain, then split-K
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_next"])
-def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch):
+@pytest.mark.parametrize("arch,budget", [("nemotron_h", BUDGET), ("nemotron_h", "auto"), ("qwen3_next", BUDGET)])
+def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, budget):
     """Tree steps through the tree-graph path (``vllm_bole.adapter.tree_graphs``, ``VLLM_BOLE_TREE_GRAPHS=1``;
     on CPU each bucket replays eagerly: the padded static step through the model): every tree step of
     tree requests alone is padded into its bucket (padding requests on the null block and slot 0), the
-    commit reads the padded step's saved inputs; every stream still equals non-speculative vLLM."""
+    commit runs over the padded step and its static verification result; every stream still equals
+    non-speculative vLLM (with ``budget: "auto"`` the trees change size and bucket from step to step; the
+    target as its own drafter, so every step holds tree requests alone)."""
     base = engines.run(arch, "base")["greedy"]
     job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch), tree_graphs=True)
-    r = engine_run.run_engine(models[arch], [job], spec=spec_config("draft_model", models[arch]),
+    r = engine_run.run_engine(models[arch], [job], spec=spec_config("draft_model", models[arch], budget=budget),
                               env={"VLLM_BOLE_TREE_GRAPHS": "1"})
     ours = r["jobs"][0]
     _check_equal(arch, base, ours)
     st = ours["stats"]
-    print(f"{arch} tree graphs: {ours['tree_graphs']} buckets, {st['graph_tree_steps']} of {st['tree_steps']} tree steps")
+    print(f"{arch} budget {budget} tree graphs: {ours['tree_graphs']} buckets, {st['graph_tree_steps']} of "
+          f"{st['tree_steps']} tree steps, {st.get('budget_nodes')} nodes chosen")
     assert ours["tree_graphs"][0] > 0 and st["graph_tree_steps"] >= st["tree_steps"] // 2
 
 

@@ -406,7 +406,11 @@ class TreeRunnerMixin:
         if isinstance(self._bole_drafter, HeadDrafter):  # the rows that emitted each request's new root
             self._bole_hidden_rows = torch.cat([torch.arange(P, device=logits.device), P + res.last_node.long()])
         transient = sum(layer.saved_bytes() for layers in self._bole_recurrent.values() for layer in layers)
-        commit(self._bole_attention + [layer for layers in self._bole_recurrent.values() for layer in layers], tree, res)
+        if self._bole_graphs is not None and self._bole_graphs.bucket is not None:  # the step replayed a graph
+            self._bole_graphs.commit(self, res)
+        else:
+            commit(self._bole_attention + [layer for layers in self._bole_recurrent.values() for layer in layers],
+                   tree, res)
         for r, rid in enumerate(step.req_ids if step.state_slots else ()):  # host copies: no device sync
             self._bole_pending_slots[rid] = {gid: slots[r] for gid, slots in step.state_slots_host.items()}
         dt = time.perf_counter() - t0

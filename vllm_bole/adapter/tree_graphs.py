@@ -15,6 +15,11 @@ with no prefix; their K/V writes are skipped (slot mapping -1) and their outputs
 launcher sizes from the host is the bucket's bound: ``nodes`` per tree, the configured depth,
 ``max_model_len`` keys (upper bounds: each program stops at its own request's sizes).
 
+The commit after verification (K/V compaction of every attention group, conv states rolled, accepted
+paths stashed, in every layer) is a second graph of the bucket, over the forward graph's saved inputs
+and a static verification result: the real accepted paths, padding rows with nothing accepted (their
+slots left as they are).
+
 Decision: off unless ``VLLM_BOLE_TREE_GRAPHS=1`` until an H200 run shows it lossless and faster (not
 yet run there). On CPU the same path runs with every "graph" replayed eagerly (the padded static step
 through the model, no capture), so the CPU tests check everything but the capture itself
@@ -23,7 +28,6 @@ vLLM greedy streams identical with every tree step padded).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -31,7 +35,9 @@ import numpy as np
 import torch
 
 from vllm_bole.adapter.tree_step import TreeStep
+from vllm_bole.spec_decode.step import commit
 from vllm_bole.spec_decode.tree import MAX_NODES, TreeBatch
+from vllm_bole.spec_decode.verification import VerificationResult
 from vllm_bole.transfer import pack, unpack
 
 logger = logging.getLogger("vllm_bole")
@@ -99,14 +105,37 @@ class StaticStep:
         self.dev_buf = torch.zeros_like(buf, device=device)
         self.host = dict(zip(self.names, unpack(self.host_buf, like.values(), spans)))
         self.dev = dict(zip(self.names, unpack(self.dev_buf, like.values(), spans)))
+        self.slot_groups, self.tables = list(slot_groups), list(table_widths)
+        self.max_model_len, self.kernels = max_model_len, kernels
+        # the verification result the commit graph reads: accepted local nodes [B, depth + 1], last flat node [B]
+        self.accepted = torch.full((B, depth + 1), -1, dtype=i64, device=device)
+        self.last = torch.zeros(B, dtype=i64, device=device)
+
+    def new_step(self) -> TreeStep:
+        """A :class:`TreeStep` over the static tensors. A new one each time: a tree caches what it derives
+        (``request_index``, ``starts``, ...), which must be derived from the current contents, inside the
+        capture on CUDA (so every replay derives it again), at every eager run on CPU."""
         d = self.dev
         tree = TreeBatch(token_ids=d["token"], parent=d["parent"], depth=d["depth"], cu_nodes=d["cu"], path=d["path"],
-                         anc_mask=d["anc"], max_nodes=nodes)
-        self.step = TreeStep(num_plain=0, tok_start=0, tree=tree, host_tree=tree, prefix_len=d["prefix"], req_ids=[],
-                             rows=[], block_tables={g: d[f"table{g}"] for g in table_widths},
-                             state_slots={g: d[f"slots{g}"] for g in slot_groups},
-                             fresh=torch.zeros(B, dtype=torch.bool), chain_len=[], max_kv_len=max_model_len,
-                             kernels=kernels)
+                         anc_mask=d["anc"], max_nodes=self.nodes)
+        return TreeStep(num_plain=0, tok_start=0, tree=tree, host_tree=tree, prefix_len=d["prefix"], req_ids=[],
+                        rows=[], block_tables={g: d[f"table{g}"] for g in self.tables},
+                        state_slots={g: d[f"slots{g}"] for g in self.slot_groups},
+                        fresh=torch.zeros(self.B, dtype=torch.bool), chain_len=[], max_kv_len=self.max_model_len,
+                        kernels=self.kernels)
+
+    def new_result(self) -> VerificationResult:
+        """The static verification result (a new object each time, as :meth:`new_step`)."""
+        return VerificationResult(output_token_ids=self.accepted, num_emitted=self.last, accepted_nodes=self.accepted,
+                                  last_node=self.last)
+
+    def fill_result(self, result: VerificationResult) -> None:
+        """The real result in the static one; padding rows accept nothing (last node before their root)."""
+        b, w = result.accepted_nodes.shape
+        self.accepted.fill_(-1)
+        self.accepted[:b, :w].copy_(result.accepted_nodes)
+        self.last[:b].copy_(result.last_node)
+        torch.sub(self.dev["cu"][b:-1].long(), 1, out=self.last[b:])
 
     def fill(self, tree: TreeBatch | None, prefix=(), tables=None, slots=None) -> None:
         """The real step (host tree; prefix [b]; tables / slots by group, [b, width] / [b] host arrays; None:
@@ -151,6 +180,8 @@ class TreeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object, dict]] = {}
         self.cuda = torch.device(runner.device).type == "cuda"
         self.pool = None
+        self.bucket: tuple[int, int] | None = None  # the bucket of the step replayed last, until its commit
+        self.saved: dict | None = None  # CPU: that step's saved layer inputs
 
     @staticmethod
     def _forward(runner, T: int, ctx: dict):
@@ -174,23 +205,45 @@ class TreeGraphs:
                 continue
             st.fill(None)
             self._no_kv_writes(runner, 0, T)
-            runner._bole_active.step = st.step
             try:
+                runner._bole_active.step = st.new_step()
                 self._forward(runner, T, ctx)  # eager first: allocations, lazy initialisation
                 torch.cuda.synchronize(runner.device)
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
+                    runner._bole_active.step = st.new_step()
                     out = self._forward(runner, T, ctx)
             finally:
                 runner._bole_active.step = None
-            layers = [layer for group in runner._bole_recurrent.values() for layer in group]
-            self.graphs[(B, T)] = (graph, out, {layer: layer._saved for layer in layers})
-            for layer in layers:
-                layer._saved = None
+            saved = {layer: layer._saved for layer in self._layers(runner)}
+            self.graphs[(B, T)] = (graph, out, self._capture_commit(runner, st, saved))
         logger.info("vllm-bole: %d tree-step CUDA graphs captured%s", len(self.static),
                     "" if self.cuda else " (CPU: replayed eagerly)")
+
+    @staticmethod
+    def _layers(runner) -> list:
+        return [layer for group in runner._bole_recurrent.values() for layer in group]
+
+    def _commit(self, runner, st: StaticStep, saved: dict) -> None:
+        """The commit of the bucket's padded step (what its graph holds), from the forward's saved inputs."""
+        step = st.new_step()
+        for g in runner._bole_attention:
+            g.begin(step)
+        for layer, s in saved.items():
+            layer._saved = s
+        commit(runner._bole_attention + self._layers(runner), step.tree, st.new_result())
+
+    def _capture_commit(self, runner, st: StaticStep, saved: dict):
+        st.accepted.fill_(-1)  # nothing accepted: the warm run leaves every slot as it is
+        torch.sub(st.dev["cu"][:-1].long(), 1, out=st.last)
+        self._commit(runner, st, saved)
+        torch.cuda.synchronize(runner.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._commit(runner, st, saved)
+        return graph
 
     @staticmethod
     def _no_kv_writes(runner, start: int, end: int) -> None:
@@ -199,7 +252,7 @@ class TreeGraphs:
 
     def replay(self, runner, step: TreeStep):
         """The target's hidden states ``[T_bucket, ...]`` of ``step`` (tree requests alone) from its bucket's
-        graph, or None when no bucket holds it. The layers' saved inputs then name the real step."""
+        graph, or None when no bucket holds it; then :meth:`commit` commits it."""
         bt = pick(self.buckets, step.tree.num_requests, step.num_tokens, self.nodes)
         if bt is None or bt not in self.ctx:
             return None
@@ -213,16 +266,30 @@ class TreeGraphs:
                 for layer in layers:
                     layer.zero_states(step, step.state_slots[gid])
         if self.cuda:
-            graph, out, saved = self.graphs[bt]
+            graph, out, _ = self.graphs[bt]
             graph.replay()
+            self.saved = None
         else:  # the same padded step through the model, eagerly
-            runner._bole_active.step = st.step
+            runner._bole_active.step = st.new_step()
             try:
                 out = self._forward(runner, bt[1], self.ctx[bt])
             finally:
                 runner._bole_active.step = step
-            saved = {layer: layer._saved for group in runner._bole_recurrent.values() for layer in group}
-        for gid, layers in runner._bole_recurrent.items():
-            for layer in layers:
-                layer._saved = dataclasses.replace(saved[layer], step=step, slots=step.state_slots[gid])
+            self.saved = {layer: layer._saved for layer in self._layers(runner)}
+        for layer in self._layers(runner):
+            layer._saved = None  # the commit is the bucket's (:meth:`commit`), not the layers' own
+        self.bucket = bt
         return out
+
+    def commit(self, runner, result: VerificationResult) -> None:
+        """The commit of the step :meth:`replay` ran (``result``: its verification, real requests only): the
+        bucket's commit graph over the static result (on CPU the same commit, eagerly)."""
+        bt, self.bucket = self.bucket, None
+        st = self.static[bt]
+        st.fill_result(result)
+        if self.cuda:
+            self.graphs[bt][2].replay()
+        else:
+            self._commit(runner, st, self.saved)
+        for g in runner._bole_attention:
+            g._step = None
