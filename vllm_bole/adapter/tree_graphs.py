@@ -174,10 +174,11 @@ class TreeGraphs:
                   for g in runner._bole_attention}
         self.static = {bt: StaticStep(*bt, self.nodes, cfg.depth, runner.max_model_len, widths,
                                       list(runner._bole_recurrent), cfg.kernels, runner.device) for bt in self.buckets}
-        # per bucket: the forward context's buffers, and on CUDA the graph, its output and each recurrent
-        # layer's saved inputs (graph-pool tensors the replays rewrite; the commit after a replay reads them)
+        # per bucket: the forward context's buffers, and on CUDA the forward graph, its output and the commit
+        # graph (one pool: a bucket's graphs run back to back, forward then commit, never interleaved with
+        # another bucket's; the forward's saved inputs stay alive while the commit is captured)
         self.ctx: dict[tuple[int, int], dict] = {}
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object, dict]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object, torch.cuda.CUDAGraph]] = {}
         self.cuda = torch.device(runner.device).type == "cuda"
         self.pool = None
         self.bucket: tuple[int, int] | None = None  # the bucket of the step replayed last, until its commit
