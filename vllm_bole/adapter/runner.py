@@ -282,14 +282,30 @@ class TreeRunnerMixin:
             self._bole_drafter.release(scheduler_output.finished_req_ids)
         return out
 
+    def _bole_tree_rows(self, scheduler_output) -> list[bool]:
+        """Per persistent-batch row: verified as a tree this step. The requests vLLM scheduled with drafts;
+        with tree graphs also every other request decoding its next token (one token scheduled, its prompt
+        done) whose sampling a tree reproduces, as a root-only tree: a step of such requests is then a step
+        of trees alone, which a graph replays (else a request without drafts makes the step mixed)."""
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        ib = self.input_batch
+        rows = [bool(spec.get(ib.req_ids[i])) for i in range(ib.num_reqs)]
+        if self._bole_graphs is None or not any(rows):
+            return rows
+        sched = scheduler_output.num_scheduled_tokens
+        for i, rid in enumerate(ib.req_ids[: ib.num_reqs]):
+            state = self.requests.get(rid)
+            rows[i] = rows[i] or (sched.get(rid) == 1 and state is not None and supports_tree(state.sampling_params)
+                                  and int(ib.num_computed_tokens_cpu[i]) + 1 == int(ib.num_tokens_no_spec[i]))
+        return rows
+
     def _may_reorder_batch(self, scheduler_output) -> None:
         super()._may_reorder_batch(scheduler_output)
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        if not spec:
-            return
         ib = self.input_batch
         n = ib.num_reqs
-        is_tree = [bool(spec.get(ib.req_ids[i])) for i in range(n)]
+        is_tree = self._bole_tree_rows(scheduler_output)
+        if not any(is_tree):
+            return
         order = [i for i in range(n) if not is_tree[i]] + [i for i in range(n) if is_tree[i]]
         if order == list(range(n)):
             return
@@ -494,12 +510,10 @@ class TreeRunnerMixin:
         """The trees of the requests vLLM scheduled with drafts: exactly the drafted trees (selected
         and truncated to the scheduled drafts), or placeholders where the drafts are not ours
         (vLLM's ``-1`` padding of a new request: never accepted)."""
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        if not spec:
-            return None
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
         ib = self.input_batch
         n = ib.num_reqs
-        rows = [i for i in range(n) if spec.get(ib.req_ids[i])]
+        rows = [i for i, tree in enumerate(self._bole_tree_rows(scheduler_output)) if tree]
         if not rows:
             return None
         P = rows[0]
@@ -508,7 +522,7 @@ class TreeRunnerMixin:
         pick, sizes, roots = [], [], []
         for i in rows:
             rid = ib.req_ids[i]
-            drafts = list(spec[rid])
+            drafts = list(spec.get(rid, ()))
             k = len(drafts)
             if int(num_scheduled_tokens[i]) != k + 1:
                 raise RuntimeError(f"vllm-bole: request {rid} has {k} drafts but {int(num_scheduled_tokens[i])} tokens")
