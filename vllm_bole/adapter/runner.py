@@ -421,9 +421,11 @@ class TreeRunnerMixin:
                           kernels=step.kernels)
         if isinstance(self._bole_drafter, HeadDrafter):  # the rows that emitted each request's new root
             self._bole_hidden_rows = torch.cat([torch.arange(P, device=logits.device), P + res.last_node.long()])
-        transient = sum(layer.saved_bytes() for layers in self._bole_recurrent.values() for layer in layers)
-        if self._bole_graphs is not None and self._bole_graphs.bucket is not None:  # the step replayed a graph
-            self._bole_graphs.commit(self, res)
+        graphs = self._bole_graphs if self._bole_graphs is not None and self._bole_graphs.bucket is not None else None
+        transient = graphs.saved_bytes[graphs.bucket] if graphs is not None else \
+            sum(layer.saved_bytes() for layers in self._bole_recurrent.values() for layer in layers)
+        if graphs is not None:  # the step replayed a graph
+            graphs.commit(self, res)
         else:
             commit(self._bole_attention + [layer for layers in self._bole_recurrent.values() for layer in layers],
                    tree, res)

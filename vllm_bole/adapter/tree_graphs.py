@@ -183,6 +183,7 @@ class TreeGraphs:
         self.pool = None
         self.bucket: tuple[int, int] | None = None  # the bucket of the step replayed last, until its commit
         self.saved: dict | None = None  # CPU: that step's saved layer inputs
+        self.saved_bytes: dict[tuple[int, int], int] = {}  # per bucket: the layers' inputs held for the commit
 
     @staticmethod
     def _forward(runner, T: int, ctx: dict):
@@ -219,6 +220,7 @@ class TreeGraphs:
             finally:
                 runner._bole_active.step = None
             saved = {layer: layer._saved for layer in self._layers(runner)}
+            self.saved_bytes[(B, T)] = sum(layer.saved_bytes() for layer in saved)
             self.graphs[(B, T)] = (graph, out, self._capture_commit(runner, st, saved))
         logger.info("vllm-bole: %d tree-step CUDA graphs captured%s", len(self.static),
                     "" if self.cuda else " (CPU: replayed eagerly)")
@@ -277,6 +279,7 @@ class TreeGraphs:
             finally:
                 runner._bole_active.step = step
             self.saved = {layer: layer._saved for layer in self._layers(runner)}
+            self.saved_bytes[bt] = sum(layer.saved_bytes() for layer in self.saved)
         for layer in self._layers(runner):
             layer._saved = None  # the commit is the bucket's (:meth:`commit`), not the layers' own
         self.bucket = bt
