@@ -325,6 +325,7 @@ def plot(results: Path) -> None:
 
 
 def main() -> int:
+    global MAX_TOKENS, BUDGETS
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=("trees", "chains", "all"))
     ap.add_argument("--pair", type=Path, default=Path("/tmp/pair"))
@@ -339,6 +340,8 @@ def main() -> int:
                     help="our engines with VLLM_BOLE_TREE_GRAPHS=1 (tree steps from whole CUDA graphs; rows say so)")
     ap.add_argument("--only", action="append", metavar="MODE/DRAFTER",
                     help="run only these engines of the part (e.g. bole_tree/ngram), keeping the part's other rows")
+    ap.add_argument("--budgets", help=f"the fixed budgets swept, comma-separated (default {','.join(map(str, BUDGETS))};"
+                                      " the largest is the engines' num_speculative_tokens, the controller's cap)")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)
@@ -346,8 +349,14 @@ def main() -> int:
     if not args.part:
         ap.error("--part: required (trees, chains or all) unless --plot")
     if args.quick:
-        global MAX_TOKENS
         MAX_TOKENS = 32
+    if args.budgets:
+        try:
+            BUDGETS = tuple(sorted(int(b) for b in args.budgets.split(",")))
+        except ValueError:
+            BUDGETS = ()
+        if not BUDGETS or BUDGETS[0] < 1 or BUDGETS[-1] > 255:
+            ap.error(f"--budgets: comma-separated integers in [1, 255], got {args.budgets!r}")
     deadline = time.time() + args.seconds
     args.target, args.draft = args.pair / args.target, args.pair / "draft"
     prompts = json.loads((args.data / "prompts.json").read_text())

@@ -71,10 +71,13 @@ stage_train() {
     grep -v '^ ' "$OUT/train_pair.log" | tail -5
 }
 
-bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whole CUDA graphs
+bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whole CUDA graphs; E2E_ONLY="ar/none
+    # bole_tree/block ...": only those engines; BUDGETS=4,8,16: the budgets swept (fewer cells per engine)
     project
+    local only=()
+    for e in ${E2E_ONLY:-}; do only+=(--only "$e"); done
     timeout $(($2 + 90)) python3 benchmarks/bench_e2e.py --part "$1" --pair /tmp/pair --data /tmp/pd --seconds "$2" \
-        ${TREE_GRAPHS:+--tree-graphs} > "$OUT/e2e_$1.log" 2>&1
+        ${TREE_GRAPHS:+--tree-graphs} ${BUDGETS:+--budgets "$BUDGETS"} ${only[@]+"${only[@]}"} > "$OUT/e2e_$1.log" 2>&1
     cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
     tail -30 "$OUT/e2e_$1.log" | cut -c1-200
 }
