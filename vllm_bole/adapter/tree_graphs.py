@@ -199,29 +199,31 @@ class TreeGraphs:
 
     def capture(self, runner) -> None:
         """One graph per bucket, each on a synthetic step of padding trees on the null block (their K/V
-        writes skipped: slot mapping -1); on CPU only the buckets' forward contexts (eager replays)."""
+        writes skipped: slot mapping -1), after an eager run of the same (allocations, lazy set-up). On CPU
+        the eager runs alone (so the tests run what a capture runs), and the buckets replay eagerly."""
         for (B, T), st in self.static.items():
             _, slots = runner._get_slot_mappings(num_tokens_padded=T, num_reqs_padded=B, num_tokens_unpadded=T)
             ctx = self.ctx[(B, T)] = dict(slot_mapping=slots, is_padding=runner._prepare_padding_mask(T, T))
-            if not self.cuda:
-                continue
             st.fill(None)
             self._no_kv_writes(runner, 0, T)
             try:
                 runner._bole_active.step = st.new_step()
-                self._forward(runner, T, ctx)  # eager first: allocations, lazy initialisation
-                torch.cuda.synchronize(runner.device)
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    runner._bole_active.step = st.new_step()
-                    out = self._forward(runner, T, ctx)
+                self._forward(runner, T, ctx)
+                if self.cuda:
+                    torch.cuda.synchronize(runner.device)
+                    if self.pool is None:
+                        self.pool = torch.cuda.graph_pool_handle()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        runner._bole_active.step = st.new_step()
+                        out = self._forward(runner, T, ctx)
             finally:
                 runner._bole_active.step = None
             saved = {layer: layer._saved for layer in self._layers(runner)}
             self.saved_bytes[(B, T)] = sum(layer.saved_bytes() for layer in saved)
-            self.graphs[(B, T)] = (graph, out, self._capture_commit(runner, st, saved))
+            commit_graph = self._capture_commit(runner, st, saved)
+            if self.cuda:
+                self.graphs[(B, T)] = (graph, out, commit_graph)
         logger.info("vllm-bole: %d tree-step CUDA graphs captured%s", len(self.static),
                     "" if self.cuda else " (CPU: replayed eagerly)")
 
@@ -239,9 +241,12 @@ class TreeGraphs:
         commit(runner._bole_attention + self._layers(runner), step.tree, st.new_result())
 
     def _capture_commit(self, runner, st: StaticStep, saved: dict):
+        """The bucket's commit graph (None on CPU), after an eager run of it."""
         st.accepted.fill_(-1)  # nothing accepted: the warm run leaves every slot as it is
         torch.sub(st.dev["cu"][:-1].long(), 1, out=st.last)
         self._commit(runner, st, saved)
+        if not self.cuda:
+            return None
         torch.cuda.synchronize(runner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
