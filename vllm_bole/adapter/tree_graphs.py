@@ -6,13 +6,13 @@ graph captured at engine start, instead of vLLM's piecewise graphs with the over
 Triton launches between them in every layer (the host-bound part of the step on the H200).
 
 Buckets: (``B`` requests, ``T`` tokens), ``B`` a power of two up to ``max_num_seqs``, ``T`` one of
-vLLM's capture sizes with ``B < T <= B * nodes`` (``nodes`` = budget + 1). A step of ``b`` requests
-and ``t`` tokens takes the smallest bucket that holds it with at least one padding request
-(:func:`pick`); it is padded into the bucket's static tensors in ONE host-to-device copy
-(:class:`StaticStep`): the real trees first, then ``B - b`` padding requests, stars of at most
-``nodes`` nodes holding the ``T - t`` remaining tokens, each on the null KV block and state slot 0
-with no prefix; their K/V writes are skipped (slot mapping -1) and their outputs discarded. What a
-launcher sizes from the host is the bucket's bound: ``nodes`` per tree, the configured depth,
+vLLM's capture sizes or of ``LARGE`` (up to 2048) with ``B < T <= B * nodes`` (``nodes`` = budget +
+1). A step of ``b`` requests and ``t`` tokens takes the smallest bucket that holds it with at least
+one padding request (:func:`pick`); it is padded into the bucket's static tensors in ONE
+host-to-device copy (:class:`StaticStep`): the real trees first, then ``B - b`` padding requests,
+stars of at most ``nodes`` nodes holding the ``T - t`` remaining tokens, each on the null KV block
+and state slot 0 with no prefix; their K/V writes are skipped (slot mapping -1) and their outputs
+discarded. What a launcher sizes from the host is the bucket's bound: ``nodes`` per tree, the configured depth,
 ``max_model_len`` keys (upper bounds: each program stops at its own request's sizes).
 
 The commit after verification (K/V compaction of every attention group, conv states rolled, accepted
@@ -22,7 +22,8 @@ slots left as they are).
 
 Decision: off unless ``VLLM_BOLE_TREE_GRAPHS=1`` until an H200 run shows it lossless and faster (not
 yet run there). On CPU the same path runs with every "graph" replayed eagerly (the padded static step
-through the model, no capture), so the CPU tests check everything but the capture itself
+through the model, no capture) after the capture's eager runs, so the CPU tests check everything but
+the recording itself
 (``tests/test_tree_graphs.py``: the kernels on a padded step equal them on the step itself; inside
 vLLM greedy streams identical with every tree step padded).
 """
@@ -43,6 +44,8 @@ from vllm_bole.transfer import pack, unpack
 logger = logging.getLogger("vllm_bole")
 GRAPHS_ENV = "VLLM_BOLE_TREE_GRAPHS"
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # without vLLM's capture sizes (CPU)
+# token buckets beyond vLLM's largest capture size (512 by default): trees of many requests (128 x 9 nodes)
+LARGE = (640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 WORDS = (MAX_NODES + 31) // 32
 
 
@@ -168,7 +171,8 @@ class TreeGraphs:
     def __init__(self, runner):
         cfg = runner.bole_config
         self.nodes = cfg.num_speculative_tokens + 1
-        sizes = [s for s in getattr(runner, "cudagraph_batch_sizes", None) or SIZES if s <= runner.max_num_tokens]
+        sizes = sorted({s for s in (*(getattr(runner, "cudagraph_batch_sizes", None) or SIZES), *LARGE)
+                        if s <= runner.max_num_tokens})
         self.buckets = plan(runner.scheduler_config.max_num_seqs, self.nodes, sizes)
         widths = {g.group: runner.input_batch.block_table[g.group].block_table.cpu.shape[1]
                   for g in runner._bole_attention}

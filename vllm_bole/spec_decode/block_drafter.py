@@ -139,8 +139,8 @@ def check_head_dir(path: str, kind: str, hidden_size: int | None = None) -> dict
         with open(os.path.join(path, CONFIG)) as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"model: {path!r} is not a {kind} drafter checkpoint ({CONFIG}: {e}); drafter '{kind}' "
-                         f"needs a directory written by its head's save (benchmarks/train_pair.py --model {kind})") from None
+        raise ValueError(f"model: {path!r} is not a {kind} drafter checkpoint ({CONFIG}: {e}); drafter '{kind}' needs "
+                         f"a directory its head's save wrote (benchmarks/train_pair.py --model {kind})") from None
     if cfg.get("kind") != kind:
         raise ValueError(f"model: {path!r} holds a {cfg.get('kind')!r} drafter, not {kind!r}")
     if not os.path.isfile(os.path.join(path, WEIGHTS)):
