@@ -69,7 +69,7 @@ class StepBudget:
                 m = layer.module
                 kv += 2 * m.num_kv_heads * m.head_size * m.kv_cache[0].element_size()
                 pair += 4 * m.num_heads * m.head_size
-        state = sum(_state_bytes(x) for layers in runner._bole_recurrent.values() for x in layers)
+        state = sum(_state_bytes(x) for x in runner._bole_recurrent_layers())
         device = torch.device(runner.device)
         bw, peak = device_roofline(device)
         return Roofline(weight_bytes=sum(p.numel() * p.element_size() for p in params),

@@ -220,6 +220,10 @@ class TreeRunnerMixin:
         self._bole_installed = True
         self._bole_log_start()
 
+    def _bole_recurrent_layers(self) -> list:
+        """Every recurrent layer object, all KV-cache groups."""
+        return [layer for layers in self._bole_recurrent.values() for layer in layers]
+
     def bole_capture_tree_graphs(self) -> int:
         """With ``VLLM_BOLE_TREE_GRAPHS=1``, CUDA graphs enabled (on CUDA) and a text-only model: capture
         :mod:`~vllm_bole.adapter.tree_graphs`' graphs (after the warm-up; the GPU worker calls it; on CPU
@@ -423,12 +427,11 @@ class TreeRunnerMixin:
             self._bole_hidden_rows = torch.cat([torch.arange(P, device=logits.device), P + res.last_node.long()])
         graphs = self._bole_graphs if self._bole_graphs is not None and self._bole_graphs.bucket is not None else None
         transient = graphs.saved_bytes[graphs.bucket] if graphs is not None else \
-            sum(layer.saved_bytes() for layers in self._bole_recurrent.values() for layer in layers)
+            sum(layer.saved_bytes() for layer in self._bole_recurrent_layers())
         if graphs is not None:  # the step replayed a graph
             graphs.commit(self, res)
         else:
-            commit(self._bole_attention + [layer for layers in self._bole_recurrent.values() for layer in layers],
-                   tree, res)
+            commit(self._bole_attention + self._bole_recurrent_layers(), tree, res)
         for r, rid in enumerate(step.req_ids if step.state_slots else ()):  # host copies: no device sync
             self._bole_pending_slots[rid] = {gid: slots[r] for gid, slots in step.state_slots_host.items()}
         dt = time.perf_counter() - t0

@@ -223,17 +223,13 @@ class TreeGraphs:
                         out = self._forward(runner, T, ctx)
             finally:
                 runner._bole_active.step = None
-            saved = {layer: layer._saved for layer in self._layers(runner)}
+            saved = {layer: layer._saved for layer in runner._bole_recurrent_layers()}
             self.saved_bytes[(B, T)] = sum(layer.saved_bytes() for layer in saved)
             commit_graph = self._capture_commit(runner, st, saved)
             if self.cuda:
                 self.graphs[(B, T)] = (graph, out, commit_graph)
         logger.info("vllm-bole: %d tree-step CUDA graphs captured%s", len(self.static),
                     "" if self.cuda else " (CPU: replayed eagerly)")
-
-    @staticmethod
-    def _layers(runner) -> list:
-        return [layer for group in runner._bole_recurrent.values() for layer in group]
 
     def _commit(self, runner, st: StaticStep, saved: dict) -> None:
         """The commit of the bucket's padded step (what its graph holds), from the forward's saved inputs."""
@@ -242,7 +238,7 @@ class TreeGraphs:
             g.begin(step)
         for layer, s in saved.items():
             layer._saved = s
-        commit(runner._bole_attention + self._layers(runner), step.tree, st.new_result())
+        commit(runner._bole_attention + runner._bole_recurrent_layers(), step.tree, st.new_result())
 
     def _capture_commit(self, runner, st: StaticStep, saved: dict):
         """The bucket's commit graph (None on CPU), after an eager run of it."""
@@ -274,9 +270,8 @@ class TreeGraphs:
         self._no_kv_writes(runner, t, bt[1])
         runner.input_ids.gpu[t: bt[1]].clamp_(min=0)
         if bool(step.fresh.any()):  # the eager path zeroes fresh slots' states inside the conv; here before
-            for gid, layers in runner._bole_recurrent.items():
-                for layer in layers:
-                    layer.zero_states(step, step.state_slots[gid])
+            for layer in runner._bole_recurrent_layers():
+                layer.zero_states(step, step.state_slots[layer.group])
         if self.cuda:
             graph, out, _ = self.graphs[bt]
             graph.replay()
@@ -287,9 +282,9 @@ class TreeGraphs:
                 out = self._forward(runner, bt[1], self.ctx[bt])
             finally:
                 runner._bole_active.step = step
-            self.saved = {layer: layer._saved for layer in self._layers(runner)}
+            self.saved = {layer: layer._saved for layer in runner._bole_recurrent_layers()}
             self.saved_bytes[bt] = sum(layer.saved_bytes() for layer in self.saved)
-        for layer in self._layers(runner):
+        for layer in runner._bole_recurrent_layers():
             layer._saved = None  # the commit is the bucket's (:meth:`commit`), not the layers' own
         self.bucket = bt
         return out

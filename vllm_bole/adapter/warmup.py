@@ -72,7 +72,7 @@ def chain_logits(tree: TreeBatch, device) -> torch.Tensor:
     (which would be [T, 150k] at the largest warm-up step)."""
     T = tree.num_nodes
     logits = torch.zeros(T, tree.max_nodes + 1, dtype=torch.float32)
-    local = torch.arange(T) - tree.cu_nodes[:-1].long()[tree.request_index.long()]
+    local = torch.arange(T) - tree.starts[tree.request_index]
     on_chain = tree.depth.long() == local  # the chain's nodes are 0..chain, each at its own depth
     logits[torch.arange(T)[on_chain], local[on_chain] + 1] = 1.0
     return upload(logits, device)
@@ -102,17 +102,15 @@ def _step(runner, requests: int, nodes: int, prefix: int) -> None:
         runner._bole_active.step = None
     logits = chain_logits(host, dev)
     result = verify_tree(tree, logits, None, kernels=cfg.kernels)
-    commit(runner._bole_attention + [layer for layers in runner._bole_recurrent.values() for layer in layers],
-           tree, result)
+    commit(runner._bole_attention + runner._bole_recurrent_layers(), tree, result)
 
 
 def _clear_null_block(runner) -> None:
-    for layers in runner._bole_recurrent.values():
-        for layer in layers:
-            layer.flush(torch.zeros(1, dtype=torch.int64, device=runner.device), runner.bole_config.kernels)
-            layer.drop(0)
-            conv_state_view(layer.module.kv_cache[0])[0] = 0
-            layer.state_view()[0] = 0
+    for layer in runner._bole_recurrent_layers():
+        layer.flush(torch.zeros(1, dtype=torch.int64, device=runner.device), runner.bole_config.kernels)
+        layer.drop(0)
+        conv_state_view(layer.module.kv_cache[0])[0] = 0
+        layer.state_view()[0] = 0
     for g in runner._bole_attention:
         for layer in g.layers:
             layer.module.kv_cache[0].zero_()  # block 0, K and V (every backend's cache is block-major)

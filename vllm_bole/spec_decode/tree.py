@@ -182,7 +182,7 @@ class TreeBatch:
             if root_tokens is None:
                 return self
             token = self.token_ids.clone()
-            token[self.cu_nodes[:-1].long()] = torch.as_tensor(root_tokens, dtype=torch.long).flatten().to(dev)
+            token[self.starts] = torch.as_tensor(root_tokens, dtype=torch.long).flatten().to(dev)
             return dataclasses.replace(self, token_ids=token)
         cu = torch.zeros(Bn + 1, dtype=torch.long, device=dev)
         cu[1:] = n.cumsum(0)

@@ -181,5 +181,5 @@ def tree_attention(
 def accepted_path(tree, last_node: torch.Tensor) -> torch.Tensor:
     """[B, max_depth + 1] int32: the root-first local indices of the path ending at local node
     ``last_node[b]`` (the deepest accepted node; 0 = root only), padded with -1."""
-    flat = tree.cu_nodes[:-1].long() + last_node.to(tree.cu_nodes.device).long()
+    flat = tree.starts + last_node.to(tree.cu_nodes.device).long()
     return tree.path[flat].to(torch.int32)

@@ -37,7 +37,7 @@ def tree_conv(x, weight, conv_state, state_idx, tree: TreeBatch, bias, activatio
 
 def commit_conv_state(conv_state, state_idx, tree: TreeBatch, last_node, x):
     live = last_node >= 0
-    nodes = (tree.cu_nodes[:-1].long() + last_node.long())[live]
+    nodes = (tree.starts + last_node.long())[live]
     Wm1 = conv_state.shape[2]
     win = _gather_window(x, conv_state, state_idx, tree, nodes, Wm1, Wm1 - 1)
     conv_state[state_idx.long()[live]] = win.to(conv_state.dtype)
