@@ -123,10 +123,12 @@ def spec_for(mode: str, drafter: str, pair: Path, k: int | None = None, beam: in
     return cfg
 
 
-def engines(part: str, quick: bool) -> list[dict]:
-    """The part's engines in order: {mode, drafter, k, jobs: [(cell..., budget)]}."""
-    full = cells(temperatures=(0.0,), datasets=("mt_bench",)) if quick else cells()
-    sweep = cells(datasets=("mt_bench",) if quick else SWEEP_DATASETS, temperatures=(0.0,))
+def engines(part: str, quick: bool, targets: bool = False) -> list[dict]:
+    """The part's engines in order: {mode, drafter, k, jobs: [(cell..., budget)]}; ``targets``: only the cells
+    the issue's targets are judged on (MT-Bench, greedy, every concurrency)."""
+    narrow = quick or targets
+    full = cells(temperatures=(0.0,), datasets=("mt_bench",)) if narrow else cells()
+    sweep = cells(datasets=("mt_bench",) if narrow else SWEEP_DATASETS, temperatures=(0.0,))
     budgets = (2, 8) if quick else BUDGETS
     trees = [dict(mode="ar", drafter="none", k=None, cells=[c + (None,) for c in full])]
     # per swept cell its fixed budgets and the controller side by side (a deadline leaves whole groups)
@@ -207,6 +209,11 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
 def label(r: dict) -> str:
     """A row's drafter, and how it drafts (node by node: its beam)."""
     return r["drafter"] + (f"/beam{r['draft_beam']}" if r.get("draft_beam") else "")
+
+
+def _name(e: dict) -> str:
+    """An engine's (or its row's) name for ``--only``: ``mode/drafter``, ``/beam4`` when it drafts node by node."""
+    return f"{e['mode']}/{label(dict(e, draft_beam=e.get('draft_beam', e.get('beam'))))}"
 
 
 def controller_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -338,8 +345,11 @@ def main() -> int:
     ap.add_argument("--plot", type=Path, help="only draw the plots from the JSON in this folder")
     ap.add_argument("--tree-graphs", action="store_true",
                     help="our engines with VLLM_BOLE_TREE_GRAPHS=1 (tree steps from whole CUDA graphs; rows say so)")
+    ap.add_argument("--targets-only", action="store_true",
+                    help="only the cells the targets are judged on: MT-Bench greedy at every concurrency")
     ap.add_argument("--only", action="append", metavar="MODE/DRAFTER",
-                    help="run only these engines of the part (e.g. bole_tree/ngram), keeping the part's other rows")
+                    help="run only these engines of the part (e.g. bole_tree/ngram, bole_tree/draft_model/beam4), in the"
+                         " order given, keeping the part's other rows")
     ap.add_argument("--budgets", help=f"the fixed budgets swept, comma-separated (default {','.join(map(str, BUDGETS))};"
                                       " the largest is the engines' num_speculative_tokens, the controller's cap)")
     args = ap.parse_args()
@@ -362,11 +372,12 @@ def main() -> int:
     prompts = json.loads((args.data / "prompts.json").read_text())
     STORE.mkdir(parents=True, exist_ok=True)
     parts = {f.stem: json.loads(f.read_text()) for f in STORE.glob("*.json")}
-    todo = [e for e in engines(args.part, args.quick) if not args.only or f"{e['mode']}/{e['drafter']}" in args.only]
+    todo = engines(args.part, args.quick, args.targets_only)
+    if args.only:
+        todo = sorted((e for e in todo if _name(e) in args.only), key=lambda e: args.only.index(_name(e)))
     heads = [d for d in ("block", "mtp") if not (args.pair / d / "block_drafter.json").exists()]
     todo = [e for e in todo if e["drafter"] not in heads]  # a pair trained without those heads
-    keep = [r for r in parts.get(args.part, {}).get("rows", []) if args.only and
-            f"{r['mode']}/{r['drafter']}" not in args.only]
+    keep = [r for r in parts.get(args.part, {}).get("rows", []) if args.only and _name(r) not in args.only]
     parts[args.part] = dict(rows=keep, started=time.strftime("%H:%M:%S"))
     for eng in todo:
         if time.time() > deadline - 30:

@@ -29,8 +29,9 @@ perplexity and the draft's top-1 agreement with the target say what it is.
 
 Training: AdamW (0.9, 0.95), weight decay 0.1, peak lr 2e-3 (draft 3e-3), warmup over the first
 100 steps (a tenth of shorter runs) then cosine to 10%, bf16 autocast, gradient clip 1, 32 sequences of 1024 tokens per step drawn at
-seeded random offsets. Fixed step counts (``STEPS``, or ``--steps N`` for all): deterministic from
-``--seed``, up to GPU reduction order. Writes ``$OUT/train_pair.json``:
+seeded random offsets. Each model trains ``STEPS`` steps (``--steps N`` for all) or for ``SECONDS``,
+whichever ends first, the schedule running over that same measure: deterministic from ``--seed`` (up to
+GPU reduction order) when the steps end first; ``steps`` says how many ran. Writes ``$OUT/train_pair.json``:
 per model parameters, steps, tokens, seconds, loss curve, held-out perplexity; and the draft's top-1
 agreement with each target on held-out text.
 
@@ -43,6 +44,10 @@ together beside vLLM engines ran out of GPU memory (``nemotron_h``): train alone
 ``--minutes``) overran its run: the others' start-up had made those steps look fast. Hence fixed
 counts, sized from the speeds seen with two models at once (``nemotron_h`` 1.4-3.1 s per step, the
 draft 0.06 s), about 4 minutes each, and the benchmark's stay trains ``nemotron_h`` and the draft only.
+2026-12-03: the slow part was transformers 5.17's Mamba2 fallback, which broadcasts ``C * B`` to
+``[b, chunks, l, l, heads, state]`` before summing; ``mamba2_train.use_fast_mamba2`` swaps in the same
+computation as einsums (checked against transformers in ``tests/test_mamba2_train.py``), and a time cap per
+model (``SECONDS``) keeps the run inside its 10 minutes whatever the speed.
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mamba2_train import use_fast_mamba2  # noqa: E402
 from pair_data import load_xz  # noqa: E402
 
 SEQ, BATCH, WARMUP = 1024, 32, 100
@@ -64,7 +70,8 @@ EOS, BOS = 2, 1
 MODELS = ("nemotron_h", "qwen3_next", "draft", "block", "mtp")
 HEADS = ("block", "mtp")  # trained on a trained target, after it
 LR = {"nemotron_h": 2e-3, "qwen3_next": 2e-3, "draft": 3e-3, "block": 1e-3, "mtp": 1e-3}
-STEPS = {"nemotron_h": 120, "qwen3_next": 250, "draft": 3500, "block": 250, "mtp": 250}
+STEPS = {"nemotron_h": 2000, "qwen3_next": 1000, "draft": 3500, "block": 600, "mtp": 600}
+SECONDS = {"nemotron_h": 270, "qwen3_next": 270, "draft": 270, "block": 100, "mtp": 100}  # whichever ends first
 HEAD_DEPTH, HEAD_BATCH = 8, 8
 EVAL_TOKENS = 131_072
 
@@ -116,25 +123,31 @@ def tokens(data: Path, device):
     return train, held
 
 
-def lr_at(step: int, total: int, peak: float) -> float:
+def lr_at(step: int, progress: float, total: int, peak: float) -> float:
+    """Linear warm-up over the first steps, then cosine to 10% over ``progress`` (0..1: steps or seconds)."""
     warmup = min(WARMUP, max(total // 10, 1))
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(total - warmup, 1)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    frac = (progress - warmup / total) / max(1 - warmup / total, 1e-9)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(max(frac, 0.0), 1.0))))
 
 
-def _optimize(name: str, params, opt, loss_of, train, seq: int, batch: int, total: int, gen) -> tuple[list, float]:
-    """``total`` steps of ``opt`` on ``loss_of(x)`` (x: ``batch`` random windows of ``seq + 1`` tokens of
-    ``train``, bf16 autocast on CUDA), lr by ``lr_at``, gradients clipped at 1. Returns (loss curve, seconds)."""
+def _optimize(name: str, params, opt, loss_of, train, seq: int, batch: int, total: int, gen,
+              budget_s: float) -> tuple[list, float, int]:
+    """Up to ``total`` steps of ``opt`` on ``loss_of(x)`` (x: ``batch`` random windows of ``seq + 1`` tokens of
+    ``train``, bf16 autocast on CUDA) within ``budget_s`` seconds, lr by ``lr_at`` over whichever of the two
+    runs out first, gradients clipped at 1. Returns (loss curve, seconds, steps done)."""
     import torch
 
     params = list(params)
     peak = opt.param_groups[0]["lr"]
     losses, t0 = [], time.monotonic()
     for step in range(total):
+        progress = max(step / total, (time.monotonic() - t0) / budget_s)
+        if progress >= 1:
+            break
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, peak)
+            g["lr"] = lr_at(step, progress, total, peak)
         starts = torch.randint(0, train.numel() - seq - 1, (batch,), generator=gen)
         x = train[(starts[:, None] + torch.arange(seq + 1)).to(train.device)]
         with torch.autocast(train.device.type, dtype=torch.bfloat16, enabled=train.device.type == "cuda"):
@@ -146,7 +159,9 @@ def _optimize(name: str, params, opt, loss_of, train, seq: int, batch: int, tota
         if step % 50 == 0 or step == total - 1:
             losses.append([step, round(float(loss.detach()), 4)])
             print(f"{name} step {step}/{total} loss {float(loss.detach()):.3f} {time.monotonic() - t0:.0f}s", flush=True)
-    return losses, time.monotonic() - t0
+    else:
+        step = total
+    return losses, time.monotonic() - t0, step
 
 
 def train_one(name: str, args) -> dict:
@@ -158,6 +173,7 @@ def train_one(name: str, args) -> dict:
     train, held = tokens(args.data, dev)
     cfg = make_config(name, vocab=args.vocab, tiny=args.tiny)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(dev).train()
+    use_fast_mamba2(model)
     params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
@@ -165,8 +181,8 @@ def train_one(name: str, args) -> dict:
                             lr=LR[name], betas=(0.9, 0.95), fused=dev.type == "cuda")
     seq, batch = (64, 4) if args.tiny else (SEQ, BATCH)
     total = args.steps or STEPS[name]
-    losses, seconds = _optimize(name, model.parameters(), opt, lambda x: _loss(model, x), train, seq, batch, total,
-                                torch.Generator(device="cpu").manual_seed(args.seed + 1))
+    losses, seconds, done = _optimize(name, model.parameters(), opt, lambda x: _loss(model, x), train, seq, batch,
+                                      total, torch.Generator(device="cpu").manual_seed(args.seed + 1), SECONDS[name])
     model.eval()
     out = args.out / name
     shutil.rmtree(out, ignore_errors=True)
@@ -175,7 +191,7 @@ def train_one(name: str, args) -> dict:
     for f in (args.data / "tokenizer").iterdir():
         shutil.copy(f, out / f.name)
     return dict(model=name, arch=cfg.architectures[0] if cfg.architectures else type(model).__name__,
-                params=params, steps=total, tokens=total * batch * seq, seconds=round(seconds, 1),
+                params=params, steps=done, step_limit=total, tokens=done * batch * seq, seconds=round(seconds, 1),
                 loss=losses, lr=LR[name], seq=seq, batch=batch)
 
 
@@ -188,7 +204,7 @@ def _target_features(target, x):
     hook = lm.register_forward_hook(lambda m, i, o: feats.__setitem__("h", i[0]))
     try:
         with torch.no_grad():
-            greedy = target(input_ids=x[:, :-1]).logits.argmax(-1)
+            greedy = target(input_ids=x[:, :-1], use_cache=False).logits.argmax(-1)
     finally:
         hook.remove()
     return feats["h"], lm, greedy
@@ -229,6 +245,7 @@ def train_head(kind: str, args) -> dict:
     train, _ = tokens(args.data, dev)
     target = transformers.AutoModelForCausalLM.from_pretrained(args.out / args.head_target, dtype=torch.bfloat16)
     target = target.to(dev).eval().requires_grad_(False)
+    use_fast_mamba2(target)
     head = _new_head(kind, target.config).to(dev)
     opt = torch.optim.AdamW(head.parameters(), lr=LR[kind], betas=(0.9, 0.95), weight_decay=0.0)
     seq, batch = (64, 2) if args.tiny else (SEQ, HEAD_BATCH)
@@ -240,13 +257,13 @@ def train_head(kind: str, args) -> dict:
         return sum(torch.nn.functional.cross_entropy(l.flatten(0, 1).float(), greedy[:, d:].flatten())
                    for d, l in enumerate(logits, 1)) / len(logits)
 
-    losses, seconds = _optimize(kind, head.parameters(), opt, loss_of, train, seq, batch, total,
-                                torch.Generator(device="cpu").manual_seed(args.seed + 2))
+    losses, seconds, done = _optimize(kind, head.parameters(), opt, loss_of, train, seq, batch, total,
+                                      torch.Generator(device="cpu").manual_seed(args.seed + 2), SECONDS[kind])
     out = args.out / kind
     shutil.rmtree(out, ignore_errors=True)
     head.save(str(out))
     return dict(model=kind, arch=type(head).__name__, target=args.head_target, depth=HEAD_DEPTH,
-                params=sum(p.numel() for p in head.parameters()), steps=total, tokens=total * batch * seq,
+                params=sum(p.numel() for p in head.parameters()), steps=done, step_limit=total, tokens=done * batch * seq,
                 seconds=round(seconds, 1), loss=losses, lr=LR[kind], seq=seq, batch=batch)
 
 
@@ -261,6 +278,7 @@ def evaluate_head(args, kind: str, x) -> dict:
     dev = x.device
     target = transformers.AutoModelForCausalLM.from_pretrained(args.out / args.head_target, dtype=torch.bfloat16)
     target = target.to(dev).eval()
+    use_fast_mamba2(target)
     head = load_head(str(args.out / kind), kind, dev, torch.bfloat16)
     hits, count = torch.zeros(HEAD_DEPTH), torch.zeros(HEAD_DEPTH)
     with torch.no_grad():
@@ -275,7 +293,7 @@ def evaluate_head(args, kind: str, x) -> dict:
 def _loss(model, x):
     import torch
 
-    logits = model(input_ids=x[:, :-1]).logits
+    logits = model(input_ids=x[:, :-1], use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
 
 
@@ -294,10 +312,11 @@ def evaluate(args, names) -> dict:
         out[kind] = evaluate_head(args, kind, x)
     for name in (n for n in names if n not in HEADS):
         model = transformers.AutoModelForCausalLM.from_pretrained(args.out / name, dtype=torch.bfloat16).to(dev).eval()
+        use_fast_mamba2(model)
         nll, preds = 0.0, []
         with torch.no_grad():
             for row in x.split(8):
-                logits = model(input_ids=row[:, :-1]).logits.float()
+                logits = model(input_ids=row[:, :-1], use_cache=False).logits.float()
                 nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), row[:, 1:].flatten(),
                                                                reduction="sum"))
                 preds.append(logits.argmax(-1))

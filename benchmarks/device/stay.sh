@@ -19,7 +19,8 @@
 #   run 7  (what is left of the 30 minutes)                     BOLE_COMMIT=.. bash benchmarks/device/stay.sh chains or online
 #   (TREE_GRAPHS=1 before `trees` / `chains`: our engines with tree steps from whole CUDA graphs, once `graphs` passed)
 #
-# Other stages, each one run: `mixed` (mixed batches, ~6 min cold), `soak` (MIXED="nemotron_h mamba2 llama"
+# `targets` (2026-12-03): `trees` and `chains` engines together on the cells the issue-15 targets are judged on
+# (MT-Bench greedy), in the order of E2E_ONLY. Other stages, each one run: `mixed` (mixed batches, ~6 min cold), `soak` (MIXED="nemotron_h mamba2 llama"
 # beside it: 477 s on a fresh machine at f2f2bf4), `kernels` (the Mamba1 tree benchmark, ~2 min), `cost` (one target step at
 # Nemotron-H-8B shapes, ~9 min), `e2e` (the vLLM matrix's open rows and the new architectures),
 # `newarchs` (the open Qwen3.5 and Zamba2 rows), `online` (bench_online.py, after `train`),
@@ -77,7 +78,7 @@ bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whol
     local only=()
     for e in ${E2E_ONLY:-}; do only+=(--only "$e"); done
     timeout $(($2 + 90)) python3 benchmarks/bench_e2e.py --part "$1" --pair /tmp/pair --data /tmp/pd --seconds "$2" \
-        ${TREE_GRAPHS:+--tree-graphs} ${BUDGETS:+--budgets "$BUDGETS"} ${only[@]+"${only[@]}"} > "$OUT/e2e_$1.log" 2>&1
+        ${TREE_GRAPHS:+--tree-graphs} ${TARGETS_ONLY:+--targets-only} ${BUDGETS:+--budgets "$BUDGETS"} ${only[@]+"${only[@]}"} > "$OUT/e2e_$1.log" 2>&1
     cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
     tail -30 "$OUT/e2e_$1.log" | cut -c1-200
 }
@@ -178,6 +179,7 @@ stage_online() {  # issue 15 item 4: vllm serve under agent-style sessions, AR /
 }
 
 stage_trees() { bench trees 480; }
+stage_targets() { TARGETS_ONLY=1 bench all 480; }  # MT-Bench greedy only; E2E_ONLY picks and orders the engines
 stage_chains() { bench chains 480; }
 
 stage_e2e() {  # the vLLM-on-H200 matrix's open items, after the pair's benchmarks
