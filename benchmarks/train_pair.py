@@ -71,7 +71,7 @@ MODELS = ("nemotron_h", "qwen3_next", "draft", "block", "mtp")
 HEADS = ("block", "mtp")  # trained on a trained target, after it
 LR = {"nemotron_h": 2e-3, "qwen3_next": 2e-3, "draft": 3e-3, "block": 1e-3, "mtp": 1e-3}
 STEPS = {"nemotron_h": 2000, "qwen3_next": 1000, "draft": 3500, "block": 600, "mtp": 600}
-SECONDS = {"nemotron_h": 270, "qwen3_next": 270, "draft": 270, "block": 100, "mtp": 100}  # whichever ends first
+SECONDS = {"nemotron_h": 240, "qwen3_next": 240, "draft": 240, "block": 80, "mtp": 80}  # whichever ends first
 HEAD_DEPTH, HEAD_BATCH = 8, 8
 EVAL_TOKENS = 131_072
 

@@ -65,13 +65,8 @@ def compact_accepted_kv_triton(
     block_table: torch.Tensor,
     prefix_len: torch.Tensor,
     accepted: torch.Tensor,
-    offsets: torch.Tensor | None = None,
 ) -> None:
-    """One launch for all layers; see ``vllm_bole.attention.kv_compaction.compact_accepted_kv``.
-
-    ``offsets`` (int64 [2L] on the device, from ``cache_offsets``) may be precomputed once, since
-    the caches do not move; otherwise it is built here (a small host-to-device copy).
-    """
+    """One launch for all layers; see ``vllm_bole.attention.kv_compaction.compact_accepted_kv``."""
     ref = key_caches[0]
     caches = [c for pair in zip(key_caches, value_caches) for c in pair]
     for c in caches:
@@ -80,8 +75,7 @@ def compact_accepted_kv_triton(
     B, W = accepted.shape
     if B == 0 or W <= 1:
         return
-    if offsets is None:
-        offsets = cache_offsets(key_caches, value_caches)
+    offsets = cache_offsets(key_caches, value_caches)
     _, page_size, Hkv, D = ref.shape
     d_chunk = min(64, max(16, triton.next_power_of_2(D)))
     _compact_kv[(B, len(caches), Hkv)](
@@ -92,13 +86,24 @@ def compact_accepted_kv_triton(
     )
 
 
+_OFFSETS: dict[tuple, torch.Tensor] = {}
+
+
 def cache_offsets(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> torch.Tensor:
-    """int64 [2L] element offsets of every layer's K and V cache from ``key_caches[0]``."""
+    """int64 [2L] element offsets of every layer's K and V cache from ``key_caches[0]``, kept per set of
+    cache addresses (caches do not move): no host-to-device copy per step, none inside a CUDA graph
+    capture once the same caches were seen outside it (the tree graphs' eager run comes first)."""
     ref = key_caches[0]
-    es = ref.element_size()
-    offs = []
-    for c in (c for pair in zip(key_caches, value_caches) for c in pair):
-        diff = c.data_ptr() - ref.data_ptr()
-        assert diff % es == 0
-        offs.append(diff // es)
-    return torch.tensor(offs, dtype=torch.int64).to(ref.device)
+    caches = [c for pair in zip(key_caches, value_caches) for c in pair]
+    key = (ref.device, ref.element_size(), *(c.data_ptr() for c in caches))
+    if key not in _OFFSETS:
+        es = ref.element_size()
+        offs = []
+        for c in caches:
+            diff = c.data_ptr() - ref.data_ptr()
+            assert diff % es == 0
+            offs.append(diff // es)
+        if len(_OFFSETS) >= 64:  # caches re-allocated many times (tests): forget the old ones
+            _OFFSETS.clear()
+        _OFFSETS[key] = torch.tensor(offs, dtype=torch.int64).to(ref.device)
+    return _OFFSETS[key]

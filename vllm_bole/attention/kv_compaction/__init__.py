@@ -27,7 +27,6 @@ def compact_accepted_kv(
     accepted: torch.Tensor,
     *,
     kernels: str = "auto",
-    offsets: torch.Tensor | None = None,
 ) -> None:
     """Move each request's accepted-path K/V to positions ``prefix_len .. prefix_len + m - 1``,
     in place, for every layer at once.
@@ -38,8 +37,8 @@ def compact_accepted_kv(
     first (``accepted[b, 0] == 0``), strictly increasing, padded with -1 (``accepted_path``).
     Node ``accepted[b, j]`` sits at position ``prefix_len + accepted[b, j] >= prefix_len + j``
     (written in flat node order), so sources and destinations may overlap; both backends
-    gather before they scatter. Triton: one launch for all layers; ``offsets`` is the optional
-    precomputed ``csrc_triton.kv_compaction.cache_offsets(key_caches, value_caches)``.
+    gather before they scatter. Triton: one launch for all layers (the caches' offsets from the first
+    are kept per set of cache addresses: ``csrc_triton.kv_compaction.cache_offsets``).
     """
     if isinstance(key_caches, torch.Tensor):
         key_caches, value_caches = [key_caches], [value_caches]
@@ -50,4 +49,4 @@ def compact_accepted_kv(
         return compact_accepted_kv_torch(key_caches, value_caches, block_table, prefix_len, accepted)
     from csrc_triton.kv_compaction import compact_accepted_kv_triton  # lazy, as the interpreter requires
 
-    compact_accepted_kv_triton(key_caches, value_caches, block_table, prefix_len, accepted, offsets)
+    compact_accepted_kv_triton(key_caches, value_caches, block_table, prefix_len, accepted)
