@@ -39,6 +39,10 @@
 # HEAD in every stage (results carry it); the Zamba2 draft-model row alone did not finish in 380 s (the
 # transformers draft of a hybrid re-reads histories); the machine goes back 30 s after a run even
 # when the reply is slow to arrive, so chain stages in one run where they fit (`install mixed`).
+# 2026-12-03 (third stay, 198194b): a first call found no machine twice (90 s each, counted); the plan that fit
+# 1126 s: parts x2 (~6 s), `install graphs` with .pair/tiny (276 s cold), `parts train` with .pair/data (368 s:
+# the einsum Mamba2 path trains the target 724 steps in its 240 s), then `targets` with E2E_SECONDS=320 and
+# TREE_GRAPHS=1 (384 s: AR and the draft model's trees only; put vllm_chain/draft_model second in E2E_ONLY).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
