@@ -170,6 +170,34 @@ def test_exploration_measures_the_next_bucket():
     assert first.total == third.total == 0 and second.bucket == 8 and second.total == 4
 
 
+def test_search_is_bounded_by_the_last_choice():
+    """The search before a choice reaches twice the last choice's largest per-request budget (at least
+    SEARCH_FLOOR), the full cap before the first choice and before each exploring one; trees cut from the
+    bounded search equal best-first trees of the chosen budgets."""
+    from vllm_bole.spec_decode.controller import SEARCH_FLOOR
+
+    g = torch.Generator().manual_seed(11)
+    B, D, K = 6, 6, 4
+    cands = random_candidates(g, B, D, K)
+    roots = list(range(B))
+    ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None, explore_every=4)
+    ctl.draft_s = 1e-2  # some nodes pay, not all: ragged choices of up to 4 nodes
+    bounds = []
+    for step in range(6):
+        bound = ctl.search_budget(32)
+        bounds.append(bound)
+        exploring = (step + 1) % 4 == 0
+        if step and not exploring:
+            assert bound == min(32, max(SEARCH_FLOOR, 2 * reach))
+        tree, ch = draft_trees(_Fixed(cands), roots, [[1]] * B, [D] * B, bound, max_depth=D, controller=ctl,
+                               kv_lens=[50] * B)
+        reach = int(ch.budgets.max())
+        assert ctl.reach == reach <= bound
+        want = best_first_tree(roots, cands, ch.budgets, max_depth=D)
+        assert torch.equal(tree.token_ids, want.token_ids) and torch.equal(tree.parent, want.parent)
+    assert bounds == [32, 8, 8, 32, 8, 8]
+
+
 def test_active_params_of_an_moe():
     from types import SimpleNamespace
 

@@ -622,8 +622,9 @@ class TreeRunnerMixin:
             hists.append(hist)
             depths.append(max(min(cfg.depth, self.max_model_len - num - 1), 0))
         budget = self._bole_budget
-        tree, choice = draft_trees(self._bole_drafter, roots, hists, depths, cfg.fixed_budget or cfg.num_speculative_tokens,
-                                   max_depth=cfg.depth, top_k=cfg.top_k, controller=budget and budget.controller(self),
+        ctl, cap = budget and budget.controller(self), cfg.fixed_budget or cfg.num_speculative_tokens
+        tree, choice = draft_trees(self._bole_drafter, roots, hists, depths, ctl.search_budget(cap) if ctl else cap,
+                                   max_depth=cfg.depth, top_k=cfg.top_k, controller=ctl,
                                    kv_lens=[len(h) for h in hists], keys=req_ids,
                                    calibration=self._bole_calibration.factors() if cfg.calibrate else None)
         if choice is not None:
