@@ -135,7 +135,7 @@ def engines(part: str, quick: bool, targets: bool = False) -> list[dict]:
     grouped = [c + (b,) for c in sweep for b in budgets + ("auto",)] + [c + ("auto",) for c in full if c not in sweep]
     trees += [dict(mode="bole_tree", drafter=d, k=None, cells=grouped) for d in ("block", "ngram", "mtp", "draft_model")]
     # the same draft drafting its trees node by node (draft_beam): one engine, the sweep cells
-    trees.insert(5, dict(mode="bole_tree", drafter="draft_model", k=None, beam=DRAFT_BEAM,
+    trees.insert(5, dict(mode="bole_tree", drafter="draft_model", k=None, draft_beam=DRAFT_BEAM,
                          cells=[c + (b,) for c in sweep for b in budgets + ("auto",)]))
     chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
@@ -149,7 +149,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
     mode, conc = eng["mode"], cell["batch"]
     toks = sum(map(len, res["tokens"]))
     groups = -(-len(res["tokens"]) // conc)
-    row = dict(mode=mode, drafter=eng["drafter"], draft_beam=eng.get("beam", 0),
+    row = dict(mode=mode, drafter=eng["drafter"], draft_beam=eng.get("draft_beam", 0),
                budget=cell["budget"] if mode.startswith("bole") else eng["k"],
                batch=conc, dataset=cell["dataset"], temperature=cell["temperature"],
                tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * res["generate_s"] / groups / MAX_TOKENS,
@@ -187,8 +187,8 @@ def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
 
 def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
     jobs = warmup_jobs(prompts, deadline) + [j for d, t, c, b in eng["cells"] for j in job(prompts, d, t, c, deadline, b)]
-    spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("beam", 0))
-    base = dict(mode=eng["mode"], drafter=eng["drafter"], draft_beam=eng.get("beam", 0), budget=eng["k"])
+    spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("draft_beam", 0))
+    base = dict(mode=eng["mode"], drafter=eng["drafter"], draft_beam=eng.get("draft_beam", 0), budget=eng["k"])
     graphs = args.tree_graphs and eng["mode"].startswith("bole")
     try:
         out = engine_run.run_engine(args.target, jobs, spec=spec, llm_kwargs=engine_kwargs(args),
@@ -207,13 +207,13 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
 
 
 def label(r: dict) -> str:
-    """A row's drafter, and how it drafts (node by node: its beam)."""
+    """A row's (or an engine's) drafter, and how it drafts (node by node: its beam)."""
     return r["drafter"] + (f"/beam{r['draft_beam']}" if r.get("draft_beam") else "")
 
 
 def _name(e: dict) -> str:
     """An engine's (or its row's) name for ``--only``: ``mode/drafter``, ``/beam4`` when it drafts node by node."""
-    return f"{e['mode']}/{label(dict(e, draft_beam=e.get('draft_beam', e.get('beam'))))}"
+    return f"{e['mode']}/{label(e)}"
 
 
 def controller_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -238,14 +238,11 @@ def _new_head(kind: str, cfg):
 def train_head(kind: str, args) -> dict:
     """A block or MTP drafter's head on the frozen trained target ``args.head_target`` (module docstring)."""
     import torch
-    import transformers
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     train, _ = tokens(args.data, dev)
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.out / args.head_target, dtype=torch.bfloat16)
-    target = target.to(dev).eval().requires_grad_(False)
-    use_fast_mamba2(target)
+    target = _load(args.out / args.head_target, dev).requires_grad_(False)
     head = _new_head(kind, target.config).to(dev)
     opt = torch.optim.AdamW(head.parameters(), lr=LR[kind], betas=(0.9, 0.95), weight_decay=0.0)
     seq, batch = (64, 2) if args.tiny else (SEQ, HEAD_BATCH)
@@ -267,27 +264,38 @@ def train_head(kind: str, args) -> dict:
                 seconds=round(seconds, 1), loss=losses, lr=LR[kind], seq=seq, batch=batch)
 
 
-def evaluate_head(args, kind: str, x) -> dict:
-    """Per depth d: how often the head's top-1 for the d-th token after the next equals the target's own
-    greedy token there, on held-out rows ``x`` (an MTP head stepping on the target's greedy tokens)."""
+def _load(path: Path, device):
+    """A trained checkpoint in bf16 for evaluation (its Mamba2 mixers through ``use_fast_mamba2``)."""
     import torch
     import transformers
 
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    use_fast_mamba2(model)
+    return model
+
+
+def evaluate_heads(args, kinds, x) -> dict:
+    """Per head and depth d: how often the head's top-1 for the d-th token after the next equals the target's
+    own greedy token there, on held-out rows ``x`` (an MTP head stepping on the target's greedy tokens); the
+    target runs once for all heads."""
+    import torch
+
     from vllm_bole.spec_decode.block_drafter import load_head
 
-    dev = x.device
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.out / args.head_target, dtype=torch.bfloat16)
-    target = target.to(dev).eval()
-    use_fast_mamba2(target)
-    head = load_head(str(args.out / kind), kind, dev, torch.bfloat16)
-    hits, count = torch.zeros(HEAD_DEPTH), torch.zeros(HEAD_DEPTH)
+    if not kinds:
+        return {}
+    target = _load(args.out / args.head_target, x.device)
+    heads = {kind: load_head(str(args.out / kind), kind, x.device, torch.bfloat16) for kind in kinds}
+    hits, count = torch.zeros(len(heads), HEAD_DEPTH), torch.zeros(HEAD_DEPTH)
     with torch.no_grad():
         for row in x.split(8):
             h, lm, greedy = _target_features(target, row)
-            for d, l in enumerate(_head_logits(head, lm, h, greedy), 1):
-                hits[d - 1] += float((l.argmax(-1) == greedy[:, d:]).sum())
-                count[d - 1] += greedy[:, d:].numel()
-    return dict(top1_agreement_by_depth=[round(float(v), 4) for v in hits / count.clamp(min=1)])
+            for i, head in enumerate(heads.values()):
+                for d, l in enumerate(_head_logits(head, lm, h, greedy), 1):
+                    hits[i, d - 1] += float((l.argmax(-1) == greedy[:, d:]).sum())
+            count += torch.tensor([float(greedy[:, d:].numel()) for d in range(1, HEAD_DEPTH + 1)])
+    return {kind: dict(top1_agreement_by_depth=[round(float(v), 4) for v in hits[i] / count.clamp(min=1)])
+            for i, kind in enumerate(heads)}
 
 
 def _loss(model, x):
@@ -300,19 +308,15 @@ def _loss(model, x):
 def evaluate(args, names) -> dict:
     """Held-out perplexity of each model and the draft's top-1 agreement with each target."""
     import torch
-    import transformers
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, held = tokens(args.data, dev)
     seq = 64 if args.tiny else SEQ
     n = min(4 * (seq + 1) if args.tiny else EVAL_TOKENS, held.numel()) // (seq + 1) * (seq + 1)
     x = held[:n].view(-1, seq + 1)
-    top1, out = {}, {}
-    for kind in (n for n in names if n in HEADS):
-        out[kind] = evaluate_head(args, kind, x)
+    top1, out = {}, evaluate_heads(args, [n for n in names if n in HEADS], x)
     for name in (n for n in names if n not in HEADS):
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.out / name, dtype=torch.bfloat16).to(dev).eval()
-        use_fast_mamba2(model)
+        model = _load(args.out / name, dev)
         nll, preds = 0.0, []
         with torch.no_grad():
             for row in x.split(8):

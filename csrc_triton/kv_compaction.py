@@ -75,7 +75,7 @@ def compact_accepted_kv_triton(
     B, W = accepted.shape
     if B == 0 or W <= 1:
         return
-    offsets = cache_offsets(key_caches, value_caches)
+    offsets = cache_offsets(caches)
     _, page_size, Hkv, D = ref.shape
     d_chunk = min(64, max(16, triton.next_power_of_2(D)))
     _compact_kv[(B, len(caches), Hkv)](
@@ -89,12 +89,11 @@ def compact_accepted_kv_triton(
 _OFFSETS: dict[tuple, torch.Tensor] = {}
 
 
-def cache_offsets(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> torch.Tensor:
-    """int64 [2L] element offsets of every layer's K and V cache from ``key_caches[0]``, kept per set of
+def cache_offsets(caches: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [2L] element offsets of the caches ``[K_0, V_0, K_1, ...]`` from ``caches[0]``, kept per set of
     cache addresses (caches do not move): no host-to-device copy per step, none inside a CUDA graph
     capture once the same caches were seen outside it (the tree graphs' eager run comes first)."""
-    ref = key_caches[0]
-    caches = [c for pair in zip(key_caches, value_caches) for c in pair]
+    ref = caches[0]
     key = (ref.device, ref.element_size(), *(c.data_ptr() for c in caches))
     if key not in _OFFSETS:
         es = ref.element_size()

@@ -56,7 +56,6 @@ from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.paged_draft import PagedDraftModel
 from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
 from vllm_bole.spec_decode.step import commit, draft_trees, verify_tree
-from vllm_bole.spec_decode.tree import MAX_DEPTH
 from vllm_bole.transfer import upload, upload_many
 
 logger = logging.getLogger("vllm_bole")
@@ -425,12 +424,12 @@ class TreeRunnerMixin:
                           kernels=step.kernels)
         if isinstance(self._bole_drafter, HeadDrafter):  # the rows that emitted each request's new root
             self._bole_hidden_rows = torch.cat([torch.arange(P, device=logits.device), P + res.last_node.long()])
-        graphs = self._bole_graphs if self._bole_graphs is not None and self._bole_graphs.bucket is not None else None
-        transient = graphs.saved_bytes[graphs.bucket] if graphs is not None else \
-            sum(layer.saved_bytes() for layer in self._bole_recurrent_layers())
-        if graphs is not None:  # the step replayed a graph
+        graphs = self._bole_graphs
+        if graphs is not None and graphs.bucket is not None:  # the step replayed a graph
+            transient = graphs.saved_bytes[graphs.bucket]
             graphs.commit(self, res)
         else:
+            transient = sum(layer.saved_bytes() for layer in self._bole_recurrent_layers())
             commit(self._bole_attention + self._bole_recurrent_layers(), tree, res)
         for r, rid in enumerate(step.req_ids if step.state_slots else ()):  # host copies: no device sync
             self._bole_pending_slots[rid] = {gid: slots[r] for gid, slots in step.state_slots_host.items()}

@@ -27,7 +27,6 @@ import time
 
 import torch
 
-from vllm_bole.adapter.layers.recurrent import conv_state_view
 from vllm_bole.adapter.tree_step import TreeStep
 from vllm_bole.spec_decode.step import commit, verify_tree
 from vllm_bole.spec_decode.tree import TreeBatch
@@ -109,8 +108,7 @@ def _clear_null_block(runner) -> None:
     for layer in runner._bole_recurrent_layers():
         layer.flush(torch.zeros(1, dtype=torch.int64, device=runner.device), runner.bole_config.kernels)
         layer.drop(0)
-        conv_state_view(layer.module.kv_cache[0])[0] = 0
-        layer.state_view()[0] = 0
+        layer.zero_slots(0)
     for g in runner._bole_attention:
         for layer in g.layers:
             layer.module.kv_cache[0].zero_()  # block 0, K and V (every backend's cache is block-major)

@@ -30,6 +30,7 @@ Checkpoint: a directory with ``block_drafter.json`` (``kind`` block or mtp, ``hi
 """
 from __future__ import annotations
 
+import abc
 import json
 import os
 from typing import Callable, Sequence
@@ -47,21 +48,23 @@ __all__ = ["BlockHead", "HeadDrafter", "MTPHead", "check_head_dir", "load_head"]
 Logits = Callable[[torch.Tensor], torch.Tensor]  # [N, H] -> [N, V]: the target's LM head
 
 
-class _Head(torch.nn.Module):
+class _Head(torch.nn.Module, abc.ABC):
+    """What a drafter's head is: :class:`BlockHead` and :class:`MTPHead` implement it."""
+
     kind: str
+    needs_roots = False  # whether ``logits`` reads the roots
 
     @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    @abc.abstractmethod
     def config(self) -> dict:
-        raise NotImplementedError
+        """The sizes the checkpoint records (``block_drafter.json`` beside ``kind``)."""
 
-    needs_roots = False  # whether ``logits`` reads the roots
-
+    @abc.abstractmethod
     def logits(self, h: torch.Tensor, roots: torch.Tensor | None, depth: int, lm: Logits) -> torch.Tensor:
         """``[B, depth, V]`` logits of depths ``1 .. depth`` after roots ``[B]`` from hidden states ``[B, H]``."""
-        raise NotImplementedError
 
     def save(self, path: str) -> None:
         from safetensors.torch import save_file

@@ -96,9 +96,12 @@ class RecurrentLayer:
     def zero_states(self, step: TreeStep, slots: torch.Tensor) -> None:
         """Zero the conv and recurrent states of the step's fresh requests (no committed state yet);
         ``slots`` [Bt] the step's state slots of this layer's group."""
-        fresh = slots[upload(step.fresh, slots.device)]
-        conv_state_view(self.module.kv_cache[0])[fresh] = 0
-        self.state_view()[fresh] = 0
+        self.zero_slots(slots[upload(step.fresh, slots.device)])
+
+    def zero_slots(self, slots) -> None:
+        """Zero the conv and recurrent states of ``slots`` (an index or index tensor)."""
+        conv_state_view(self.module.kv_cache[0])[slots] = 0
+        self.state_view()[slots] = 0
 
     def save(self, step: TreeStep, slots, conv_in, **inputs) -> None:
         self._saved = Saved(step, slots, conv_in, inputs)
