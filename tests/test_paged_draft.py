@@ -67,6 +67,34 @@ def test_paged_equals_transformers(tiny, kernels):
             pd.release(["a"])  # a finished request comes back under the same key: caught up from scratch
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_gqa"])
+def test_decoder_variants_equal_transformers(tmp_path, arch):
+    """The few-kernel forward (``paged_decoder.py``) on the other shapes of the family: Qwen2's QKV
+    biases, Qwen3's per-head q/k norms, Llama-3 RoPE scaling with grouped K/V heads and an MLP bias;
+    two steps of candidates equal the transformers drafter's."""
+    import transformers
+
+    small = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)
+    cfg = {"qwen2": lambda: transformers.Qwen2Config(**small),
+           "qwen3": lambda: transformers.Qwen3Config(**small, head_dim=32),
+           "llama3_gqa": lambda: transformers.LlamaConfig(**small, mlp_bias=True, rope_scaling=dict(
+               rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=64))}[arch]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    for p in model.parameters():  # biases and norms away from their init, so a dropped term shows
+        p.data.normal_(0, 0.3 if p.dim() == 1 else 0.1)
+    model.save_pretrained(tmp_path)
+    ref = HFDraftModel(str(tmp_path), top_k=3)
+    pd = PagedDraftModel(str(tmp_path), top_k=3, max_len=128, depth=4, max_requests=3, kernels="torch")
+    hists = [[5, 9, 200, 7], list(range(3, 70)), [11]]
+    for _ in range(2):
+        got = pd.propose(hists, [4, 3, 4], keys="abc").validate()
+        assert_same_candidates(got, ref.propose(hists, [4, 3, 4]), [4, 3, 4])
+        hists = [h + got.tokens[b, :2, 0].tolist() + [17] for b, h in enumerate(hists)]
+
+
 def test_graph_replay_path_on_cpu(tiny, monkeypatch):
     """The CUDA-graph path's bookkeeping without a GPU: ``_step_graph`` replaced by an eager replay of
     the same body on the same static buffers, batch buckets of at most 4 rows (5 requests: a bucket

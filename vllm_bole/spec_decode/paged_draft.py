@@ -22,11 +22,10 @@ Candidates equal :class:`~vllm_bole.spec_decode.draft_model.HFDraftModel`'s (the
 reference; tested): the draft's greedy chain and its top-``k`` per depth, per-depth marginals of
 the one-pass view (:mod:`~vllm_bole.spec_decode.candidates`).
 
-Attention runs through transformers' attention interface (``attn_implementation="bole_paged"``):
-embeddings, RoPE, norms, MLPs and the LM head are the checkpoint's own modules; the attention
-function writes the new K/V into the pages and calls
-:func:`~vllm_bole.attention.tree_attention.tree_attention`. Supported: the transformers model types
-of :data:`PAGED_MODEL_TYPES` (every decoder layer full causal self-attention through that interface),
+The forward is :class:`~vllm_bole.spec_decode.paged_decoder.PagedDecoder` (the checkpoint's weights,
+few kernels per layer: the draft's cost is launches) with
+:func:`~vllm_bole.attention.tree_attention.tree_attention` over the pages. Supported: the
+transformers model types of :data:`PAGED_MODEL_TYPES` whose decoder layers that forward accepts,
 checked on the config before any weight is loaded and on the loaded modules after
 (:func:`paged_support`); anything else (recurrent and hybrid drafts) runs through transformers.
 
@@ -38,7 +37,7 @@ that step (its tree is its root alone: nothing lost but speed).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import logging
@@ -49,13 +48,13 @@ import torch
 from vllm_bole.attention.tree_attention import tree_attention
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
+from vllm_bole.spec_decode.paged_decoder import PagedDecoder, decoder_support
 from vllm_bole.spec_decode.tree import MAX_NODES
 from vllm_bole.transfer import upload
 
 __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support"]
 logger = logging.getLogger("vllm_bole")
 
-ATTN_NAME = "bole_paged"
 PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the step
@@ -164,62 +163,7 @@ def paged_support(model=None, config=None) -> str | None:
         return f"layer_types {sorted(types)}: only full attention layers are supported"
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "sliding-window attention"
-    if model is None:
-        return None
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        return f"{type(model).__name__} has no model.layers"
-    for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        if attn is None or getattr(attn, "layer_idx", None) != i:
-            return f"decoder layer {i} has no self-attention with layer_idx (recurrent or other mixer)"
-    return None
-
-
-@dataclass
-class _Forward:
-    """What the attention function reads during one forward."""
-
-    caches: list  # per layer (K, V), each [num_pages, page_size, Hkv, D]
-    slots: torch.Tensor  # [T] int64 cache slot of every token
-    block_table: torch.Tensor  # [B, W] int32
-    prefix_len: torch.Tensor  # [B] tokens cached before each request's chain
-    mask: ChainMask
-    max_kv_len: int
-    kernels: str
-    num_keys: torch.Tensor | None = None  # [B] tree keys per request when queries are part of a tree
-
-
-@dataclass
-class _Active:
-    forward: _Forward | None = None
-    registered: set = field(default_factory=set)
-
-
-_ACTIVE = _Active()
-
-
-def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] (RoPE applied)
-    -> ([1, T, H, D], None)."""
-    fw = _ACTIVE.forward
-    kc, vc = fw.caches[module.layer_idx]
-    ps = kc.shape[1]
-    blk, off = fw.slots // ps, fw.slots % ps
-    kc[blk, off] = key[0].transpose(0, 1).to(kc.dtype)
-    vc[blk, off] = value[0].transpose(0, 1).to(vc.dtype)
-    o = tree_attention(query[0].transpose(0, 1), kc, vc, fw.block_table, fw.prefix_len, fw.mask, scale=scaling,
-                       max_nodes=fw.mask.max_nodes, max_kv_len=fw.max_kv_len, kernels=fw.kernels, num_keys=fw.num_keys)
-    return o[None], None
-
-
-def _register() -> None:
-    if ATTN_NAME not in _ACTIVE.registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTN_NAME, _paged_attention)
-        _ACTIVE.registered.add(ATTN_NAME)
+    return None if model is None else decoder_support(model)
 
 
 class PagedDraftModel:
@@ -234,7 +178,6 @@ class PagedDraftModel:
     def __init__(self, path: str, dtype: str = "auto", top_k: int = 8, device="cpu", *, max_len: int,
                  depth: int, max_requests: int = 1, kv_bytes: int | None = None, page_size: int = 16,
                  kernels: str = "auto", cuda_graphs: bool = True):
-        _register()
         with hidden_fla(str(device) == "cpu"):
             import transformers
 
@@ -243,10 +186,11 @@ class PagedDraftModel:
                 raise NotImplementedError(f"the draft {path} cannot run paged: {why}")
             torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
             self.model = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype, attn_implementation=ATTN_NAME).to(device).eval()
+                path, dtype=torch_dtype).to(device).eval()
         why = paged_support(model=self.model)
         if why is not None:
             raise NotImplementedError(f"the draft {path} cannot run paged: {why}")
+        self.decoder = PagedDecoder(self.model)
         cfg = self.model.config
         self.device = torch.device(device)
         self.top_k = min(int(top_k), int(cfg.vocab_size))
@@ -291,13 +235,12 @@ class PagedDraftModel:
         req = torch.repeat_interleave(torch.arange(mask.cu_nodes.numel() - 1, device=tokens.device),
                                       (mask.cu_nodes[1:] - mask.cu_nodes[:-1]).long(), output_size=tokens.numel())
         slots = table[req, kv_pos // ps].long() * ps + kv_pos % ps
-        _ACTIVE.forward = _Forward(self.caches, slots, table, prefix, mask, max_kv_len, self.kernels, num_keys)
-        try:
-            out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
-                             logits_to_keep=keep if keep is not None else 0)
-        finally:
-            _ACTIVE.forward = None
-        return out.logits[0]
+
+        def attend(q, kc, vc, scale):
+            return tree_attention(q, kc, vc, table, prefix, mask, scale=scale, max_nodes=mask.max_nodes,
+                                  max_kv_len=max_kv_len, kernels=self.kernels, num_keys=num_keys)
+
+        return self.decoder(tokens, positions, slots, self.caches, attend, keep)
 
     def _topk(self, logits):
         return logits.float().softmax(-1).topk(self.top_k, dim=-1)
