@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -67,6 +68,7 @@ def same_candidates(a, b, tol: float) -> bool:
 def steps(drafter, B: int, args, keys: bool, gen: torch.Generator) -> tuple[list[float], list]:
     """Step times (ms) and the candidates of every step for ``B`` requests."""
     hists = [torch.randint(3, DRAFT["vocab_size"], (args.prompt,), generator=gen).tolist() for _ in range(B)]
+    arrays = [np.array(h, dtype=np.int32) for h in hists]
     kw = dict(keys=[f"r{i}" for i in range(B)]) if keys else {}
     times, outs = [], []
     tree = isinstance(drafter, PagedTreeDraftModel)
@@ -75,16 +77,17 @@ def steps(drafter, B: int, args, keys: bool, gen: torch.Generator) -> tuple[list
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if tree:
-            c = drafter.grow_trees([h[-1] for h in hists], hists, [args.depth] * B, TREE_NODES, max_depth=args.depth,
+            c = drafter.grow_trees([h[-1] for h in hists], arrays, [args.depth] * B, TREE_NODES, max_depth=args.depth,
                                    **kw)
             chain = [[t for t in c.tree().request(i)[1][1: args.accept + 1]] for i in range(B)]
         else:
-            c = drafter.propose(hists, [args.depth] * B, **kw)
+            c = drafter.propose(arrays, [args.depth] * B, **kw)
             chain = [c.tokens[i, : args.accept, 0].tolist() for i in range(B)]
         times.append((time.perf_counter() - t0) * 1e3)
         outs.append(c)
         for i, h in enumerate(hists):
             h += chain[i] + [int(torch.randint(3, DRAFT["vocab_size"], (1,), generator=gen))]
+        arrays = [np.array(h, dtype=np.int32) for h in hists]  # as the runner hands them: numpy views
     if keys:
         drafter.release(kw["keys"])
     return times[1:], outs  # the first step is the prompt's catch-up (and the graph capture)
@@ -106,6 +109,23 @@ def replay_ms(drafter, B: int) -> float | None:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return round(statistics.median(times), 3)
+
+
+def kernel_profile(drafter, B: int) -> list[dict]:
+    """The kernels of one replay of the step graph for ``B`` rows (torch profiler): count and
+    microseconds per kernel name, most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = drafter._graphs[min(b for b in drafter._graphs if b >= B)][0]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    table: dict = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            n, us = table.get(e.name[:60], (0, 0.0))
+            table[e.name[:60]] = (n + 1, us + e.device_time)
+    return [dict(kernel=k, count=n, us=round(us, 1)) for k, (n, us) in sorted(table.items(), key=lambda x: -x[1][1])]
 
 
 def main() -> None:
@@ -150,9 +170,17 @@ def main() -> None:
                                  speedup_vs_transformers=round(base / ms, 2), replay_ms=replay_ms(kinds[k], B)))
                 print(f"B={B:4d} {k:18s} {ms:8.3f} ms/step {ms / nodes:8.4f} ms/node {base / ms:6.2f}x "
                       f"replay {rows[-1]['replay_ms']} ms", flush=True)
+        graph_drafter = kinds.get("paged_graphs")
         del kinds, hf
     print("fp32 equality:", checks)
-    print(write_results("draft_speed.json", rows, dict(draft=DRAFT, checks=checks, settings=vars(args))))
+    prof = {}
+    if dev == "cuda":
+        for B in (1, 32):
+            prof[B] = kernel_profile(graph_drafter, B)
+            print(f"B={B}: {sum(k['count'] for k in prof[B])} kernels, {sum(k['us'] for k in prof[B]):.0f} us:",
+                  prof[B][:12], flush=True)
+    print(write_results("draft_speed.json", rows, dict(draft=DRAFT, checks=checks, settings=vars(args),
+                                                       replay_kernels=prof)))
 
 
 if __name__ == "__main__":
