@@ -6,9 +6,10 @@ take about 40 launches per decoder layer (RMSNorm in six elementwise ops, three 
 slices, negations and concatenations, K/V written by advanced indexing). :class:`PagedDecoder` runs the
 same weights in about 16: fused ``rms_norm``, one QKV and one gate-up matmul (the checkpoint's
 weights re-pointed as views of the fused tensors: no second copy), RoPE on Q and K together as
-``x * cos + roll(x) * sin'`` with cos/sin gathered once per forward, and ``index_copy_`` into the
-pages. Embeddings, the rotary module (its scaling), the final norm and the LM head are the
-checkpoint's own. Numerics equal transformers' in fp32 up to rounding (tests compare the drafts'
+``x * cos + roll(x) * sin'`` with cos/sin gathered once per forward from a table the checkpoint's
+rotary module filled at start (its scaling included; length-dependent rope types, ``dynamic`` and
+``longrope``, are refused), and ``index_copy_`` into the pages. Embeddings, the final norm and the LM
+head are the checkpoint's own. Numerics equal transformers' in fp32 up to rounding (tests compare the drafts'
 candidates); in 16-bit the norms round once instead of twice.
 
 Supported: decoder layers of ``q_proj, k_proj, v_proj, o_proj`` (optional bias; optional per-head
@@ -45,6 +46,9 @@ def decoder_support(model) -> str | None:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             if getattr(getattr(layer, norm, None), "variance_epsilon", None) is None:
                 return f"decoder layer {i}: {norm} is not an RMSNorm"
+    rope = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope in ("dynamic", "longrope"):
+        return f"rope_type {rope!r} (its frequencies depend on the sequence length)"
     head = inner.layers[0].self_attn.head_dim if len(inner.layers) else 0
     cos, _ = inner.rotary_emb(inner.embed_tokens.weight[:1], torch.zeros(1, 1, dtype=torch.long,
                                                                          device=inner.embed_tokens.weight.device))
@@ -89,14 +93,20 @@ def _rms(norm, x: torch.Tensor) -> torch.Tensor:
 
 class PagedDecoder:
     """``model``'s forward (a transformers causal LM that :func:`decoder_support` accepts) with K/V in
-    paged caches. :meth:`__call__` -> logits."""
+    paged caches, positions below ``max_positions``. :meth:`__call__` -> logits."""
 
-    def __init__(self, model):
+    def __init__(self, model, max_positions: int):
         why = decoder_support(model)
         if why is not None:
             raise NotImplementedError(why)
         self.model = model
         self.layers = [_Layer(layer) for layer in model.model.layers]
+        inner = model.model
+        w = inner.embed_tokens.weight
+        cos, sin = inner.rotary_emb(w[:1][None], torch.arange(int(max_positions), device=w.device)[None])
+        half = cos.shape[-1] // 2
+        self.cos = cos[0].contiguous()  # [P, D]
+        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)  # rotate_half's signs folded in
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, caches: list,
                  attend: Callable, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,9 +115,8 @@ class PagedDecoder:
         [T, H, D] (the tokens' K/V are already in the caches). Logits [T or len(keep), V] at ``keep``."""
         inner = self.model.model
         h = inner.embed_tokens(tokens)
-        cos, sin = inner.rotary_emb(h[None], positions[None])
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         half = cos.shape[-1] // 2
-        cos, sin = cos[0, :, None], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)[:, None]
         res = None
         for L, (kc, vc) in zip(self.layers, caches):
             res = h if res is None else res + h
