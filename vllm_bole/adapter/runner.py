@@ -125,6 +125,7 @@ class TreeRunnerMixin:
         self._bole_drafts = None  # DraftTokenIds for the scheduler
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
+        self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, mixed_tree_steps=0,
@@ -307,6 +308,7 @@ class TreeRunnerMixin:
         ib = self.input_batch
         n = ib.num_reqs
         is_tree = self._bole_tree_rows(scheduler_output)
+        self._bole_num_trees = sum(is_tree)
         if not any(is_tree):
             return
         order = [i for i in range(n) if not is_tree[i]] + [i for i in range(n) if is_tree[i]]
@@ -517,11 +519,10 @@ class TreeRunnerMixin:
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
         ib = self.input_batch
         n = ib.num_reqs
-        rows = [i for i, tree in enumerate(self._bole_tree_rows(scheduler_output)) if tree]
-        if not rows:
+        if not self._bole_num_trees:
             return None
-        P = rows[0]
-        assert rows == list(range(P, n)), f"vllm-bole: tree requests must be last, got rows {rows} of {n}"
+        P = n - self._bole_num_trees  # _may_reorder_batch put the tree requests last
+        rows = list(range(P, n))
         drafted, index, flat = self._bole_drafted or (None, {}, [])
         pick, sizes, roots = [], [], []
         for i in rows:
