@@ -332,7 +332,7 @@ def plot(results: Path) -> None:
 
 
 def main() -> int:
-    global MAX_TOKENS, BUDGETS
+    global MAX_TOKENS, BUDGETS, CHAIN_K
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=("trees", "chains", "all"))
     ap.add_argument("--pair", type=Path, default=Path("/tmp/pair"))
@@ -352,6 +352,8 @@ def main() -> int:
                          " order given, keeping the part's other rows")
     ap.add_argument("--budgets", help=f"the fixed budgets swept, comma-separated (default {','.join(map(str, BUDGETS))};"
                                       " the largest is the engines' num_speculative_tokens, the controller's cap)")
+    ap.add_argument("--chain-k", help="vLLM's chain lengths swept, comma-separated (default "
+                                      f"{','.join(map(str, CHAIN_K))}): one engine each")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)
@@ -367,6 +369,13 @@ def main() -> int:
             BUDGETS = ()
         if not BUDGETS or BUDGETS[0] < 1 or BUDGETS[-1] > 255:
             ap.error(f"--budgets: comma-separated integers in [1, 255], got {args.budgets!r}")
+    if args.chain_k:
+        try:
+            CHAIN_K = tuple(sorted(int(k) for k in args.chain_k.split(",")))
+        except ValueError:
+            CHAIN_K = ()
+        if not CHAIN_K or CHAIN_K[0] < 1:
+            ap.error(f"--chain-k: comma-separated positive integers, got {args.chain_k!r}")
     deadline = time.time() + args.seconds
     args.target, args.draft = args.pair / args.target, args.pair / "draft"
     prompts = json.loads((args.data / "prompts.json").read_text())
