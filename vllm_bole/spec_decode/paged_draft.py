@@ -50,7 +50,7 @@ from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder, decoder_support
 from vllm_bole.spec_decode.tree import MAX_NODES
-from vllm_bole.transfer import upload
+from vllm_bole.transfer import upload, upload_many
 
 __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support"]
 logger = logging.getLogger("vllm_bole")
@@ -390,11 +390,8 @@ class PagedDraftModel:
         tok = np.zeros((n, S), dtype=np.int64)
         for r, i in enumerate(live):
             tok[r, : L[r] - start[r]] = hists[i][start[r] :]
-        dev = self.device
-        bufs["tok"][:n] = upload(torch.from_numpy(tok), dev)
-        bufs["start"][:n] = upload(torch.from_numpy(start), dev)
-        bufs["count"][:n] = upload(torch.from_numpy(L - start), dev)
-        bufs["table"][:n] = table
+        tok, start, count = upload_many([torch.from_numpy(a) for a in (tok, start, L - start)], self.device)
+        bufs["tok"][:n], bufs["start"][:n], bufs["count"][:n], bufs["table"][:n] = tok, start, count, table
 
     def _eager_step(self, live, hists, L, start, table, steps: int) -> dict:
         """:meth:`_step` of the live rows without a graph (keys up to the longest history and its
