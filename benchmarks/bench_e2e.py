@@ -42,6 +42,7 @@ best_fixed_budget, global_fixed_tps`` per drafter; ``chosen``: the controller's 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -154,6 +155,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                batch=conc, dataset=cell["dataset"], temperature=cell["temperature"],
                tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * res["generate_s"] / groups / MAX_TOKENS,
                requests=len(res["tokens"]), tokens=toks, seconds=res["generate_s"])
+    if not cell["temperature"]:  # greedy: each request's output, for the comparison with AR (same_as_ar)
+        row["digests"] = [hashlib.sha1(str(list(t)).encode()).hexdigest()[:10] for t in res["tokens"]]
     st, cn = res.get("stats"), res.get("counters") or {}
     if st:
         row.update(accept_len=1 + st["accepted"] / max(st["verified_requests"], 1),
@@ -278,9 +281,21 @@ def _header(args) -> dict:
                               prefix_caching=False, ignore_eos=True))
 
 
+def same_as_ar(rows: list[dict]) -> None:
+    """Per greedy speculative row: the fraction of its requests whose output equals AR's for the same
+    prompts (same dataset and concurrency). bf16 on the GPU: batch-dependent rounding may flip a near
+    tie in either engine, so this is a monitor, not the lossless criterion (fp32 identity is tested)."""
+    ar = {(r["dataset"], r["batch"]): r["digests"] for r in rows if r["mode"] == "ar" and r.get("digests")}
+    for r in rows:
+        want = ar.get((r.get("dataset"), r.get("batch")))
+        if r.get("mode") != "ar" and r.get("digests") and want and len(want) == len(r["digests"]):
+            r["same_as_ar"] = sum(a == b for a, b in zip(r["digests"], want)) / len(want)
+
+
 def save(args, rows_by_part: dict) -> None:
     out = Path(os.environ.get("OUT", "."))
     rows = [r for part in rows_by_part.values() for r in part["rows"]]
+    same_as_ar(rows)
     head = _header(args)
     head["parts"] = {p: {k: v for k, v in d.items() if k != "rows"} for p, d in rows_by_part.items()}
     (out / "e2e_throughput.json").write_text(json.dumps(dict(head, rows=rows), indent=1))
