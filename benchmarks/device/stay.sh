@@ -43,6 +43,9 @@
 # 1126 s: parts x2 (~6 s), `install graphs` with .pair/tiny (276 s cold), `parts train` with .pair/data (368 s:
 # the einsum Mamba2 path trains the target 724 steps in its 240 s), then `targets` with E2E_SECONDS=320 and
 # TREE_GRAPHS=1 (384 s: AR and the draft model's trees only; put vllm_chain/draft_model second in E2E_ONLY).
+# 2026-12-03 (fourth session): bench_draft.py needs no vLLM (the machine's own torch + transformers): one run of
+# ~70 s outside any stay; a machine that could not start answered "try again in about 10 min" three times in a
+# row (15 s of budget a call); CHAIN_K=3 gives vLLM's chain one engine; TRAIN_MODELS="nemotron_h draft" skips the heads.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
