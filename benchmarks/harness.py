@@ -69,11 +69,16 @@ def device_ceilings() -> dict:
 
 
 def git_commit() -> str:
+    """``BOLE_COMMIT`` when set (pass it on the device machine: its copy of the tree keeps the
+    session's first HEAD, seen 2026-12-03), else HEAD, with ``+uncommitted`` when the tracked files
+    differ from it."""
     if os.environ.get("BOLE_COMMIT"):
         return os.environ["BOLE_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True).strip()
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=here).returncode != 0
+        return sha + ("+uncommitted" if dirty else "")
     except Exception:
         return "unknown"
 
