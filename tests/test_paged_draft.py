@@ -189,6 +189,18 @@ def test_recurrent_draft_refused(tiny):
         PagedDraftModel(str(tiny["mamba2"]), max_len=64, depth=2)
 
 
+def test_length_dependent_rope_refused(tmp_path):
+    """A checkpoint the config check admits but the loaded modules do not (its RoPE frequencies depend
+    on the sequence length, so no table at start can hold them): refused with the reason."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, rope_scaling=dict(rope_type="dynamic", factor=2.0))
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match="cannot run paged: rope_type 'dynamic'"):
+        PagedDraftModel(str(tmp_path), max_len=64, depth=2)
+
+
 # ------------------------------------------------------------------------------ node by node
 def hf_tree_reference(hf, roots, hists, depths, budget, *, max_depth, beam, top_k, calibration=None):
     """The same search with every frontier node's children from a full transformers forward over

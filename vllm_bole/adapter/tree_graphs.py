@@ -22,9 +22,10 @@ slots left as they are).
 
 Decision: off unless ``VLLM_BOLE_TREE_GRAPHS=1``. On the H200 (198194b) it was identical to AR on the
 fp32 tiny NemotronH (every tree step from a graph) and cut the target forward of the pair's tree steps
-from 3-11 ms to 0.65-1.0 ms; it stays opt-in until the GDN, Mamba1 and GQA-conv hybrids ran with it there. On CPU the same path runs with every "graph" replayed eagerly (the padded static step
-through the model, no capture) after the capture's eager runs, so the CPU tests check everything but
-the recording itself
+from 3-11 ms to 0.65-1.0 ms; it stays opt-in until the GDN, Mamba1 and GQA-conv hybrids ran with it
+there. On CPU the same path runs with every "graph" replayed eagerly (the padded static step through
+the model, no capture) after the capture's eager runs, so the CPU tests check everything but the
+recording itself
 (``tests/test_tree_graphs.py``: the kernels on a padded step equal them on the step itself; inside
 vLLM greedy streams identical with every tree step padded).
 """

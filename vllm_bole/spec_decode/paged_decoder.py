@@ -9,8 +9,8 @@ weights re-pointed as views of the fused tensors: no second copy), RoPE on Q and
 ``x * cos + roll(x) * sin'`` with cos/sin gathered once per forward from a table the checkpoint's
 rotary module filled at start (its scaling included; length-dependent rope types, ``dynamic`` and
 ``longrope``, are refused), and ``index_copy_`` into the pages. Embeddings, the final norm and the LM
-head are the checkpoint's own. Numerics equal transformers' in fp32 up to rounding (tests compare the drafts'
-candidates); in 16-bit the norms round once instead of twice.
+head are the checkpoint's own. Numerics equal transformers' in fp32 up to rounding (tests compare the
+drafts' candidates); in 16-bit the norms round once instead of twice.
 
 Supported: decoder layers of ``q_proj, k_proj, v_proj, o_proj`` (optional bias; optional per-head
 ``q_norm``/``k_norm`` as in Qwen3), ``mlp.gate_proj/up_proj/down_proj`` with a pointwise activation,
@@ -104,9 +104,9 @@ class PagedDecoder:
         inner = model.model
         w = inner.embed_tokens.weight
         cos, sin = inner.rotary_emb(w[:1][None], torch.arange(int(max_positions), device=w.device)[None])
-        half = cos.shape[-1] // 2
+        self.half = cos.shape[-1] // 2
         self.cos = cos[0].contiguous()  # [P, D]
-        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)  # rotate_half's signs folded in
+        self.sin = torch.cat([-sin[0, :, : self.half], sin[0, :, self.half :]], -1)  # rotate_half's signs folded in
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, caches: list,
                  attend: Callable, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,7 +116,6 @@ class PagedDecoder:
         inner = self.model.model
         h = inner.embed_tokens(tokens)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        half = cos.shape[-1] // 2
         res = None
         for L, (kc, vc) in zip(self.layers, caches):
             res = h if res is None else res + h
@@ -128,7 +127,7 @@ class PagedDecoder:
                 qk = torch.cat([q, k], 1)
             else:
                 qk = qkv[:, : L.heads + L.kv_heads]
-            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
+            qk = torch.addcmul(qk * cos, qk.roll(self.half, -1), sin)
             q, k = qk[:, : L.heads], qk[:, L.heads :]
             kc.view(-1, L.kv_heads, L.head_dim).index_copy_(0, slots, k.to(kc.dtype))
             vc.view(-1, L.kv_heads, L.head_dim).index_copy_(0, slots, v.to(vc.dtype))

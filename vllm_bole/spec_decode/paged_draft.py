@@ -26,8 +26,9 @@ The forward is :class:`~vllm_bole.spec_decode.paged_decoder.PagedDecoder` (the c
 few kernels per layer: the draft's cost is launches) with
 :func:`~vllm_bole.attention.tree_attention.tree_attention` over the pages. Supported: the
 transformers model types of :data:`PAGED_MODEL_TYPES` whose decoder layers that forward accepts,
-checked on the config before any weight is loaded and on the loaded modules after
-(:func:`paged_support`); anything else (recurrent and hybrid drafts) runs through transformers.
+checked on the config before any weight is loaded (:func:`paged_support`) and on the loaded
+modules after (:func:`~vllm_bole.spec_decode.paged_decoder.decoder_support`); anything else
+(recurrent and hybrid drafts) runs through transformers.
 
 Pages (:class:`PagePool`): ``num_pages`` pages of ``page_size`` tokens per layer; page 0 is a trash
 page that padding rows and table tails point at. A request holds pages for its history and its
@@ -48,7 +49,7 @@ import torch
 from vllm_bole.attention.tree_attention import tree_attention
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
-from vllm_bole.spec_decode.paged_decoder import PagedDecoder, decoder_support
+from vllm_bole.spec_decode.paged_decoder import PagedDecoder
 from vllm_bole.spec_decode.tree import MAX_NODES
 from vllm_bole.transfer import upload, upload_many
 
@@ -152,10 +153,9 @@ class PagePool:
         return out
 
 
-def paged_support(model=None, config=None) -> str | None:
-    """Why a transformers causal LM (a ``config``, before loading, or the loaded ``model``) cannot
-    run paged; None when it can."""
-    cfg = config if model is None else model.config
+def paged_support(cfg) -> str | None:
+    """Why a transformers causal LM's config rules out the paged runtime, before any weight is loaded
+    (the loaded modules are checked by :class:`PagedDecoder`); None when it does not."""
     if cfg.model_type not in PAGED_MODEL_TYPES:
         return f"model_type {cfg.model_type!r} (paged: {', '.join(PAGED_MODEL_TYPES)})"
     types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
@@ -163,7 +163,7 @@ def paged_support(model=None, config=None) -> str | None:
         return f"layer_types {sorted(types)}: only full attention layers are supported"
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "sliding-window attention"
-    return None if model is None else decoder_support(model)
+    return None
 
 
 class PagedDraftModel:
@@ -181,21 +181,21 @@ class PagedDraftModel:
         with hidden_fla(str(device) == "cpu"):
             import transformers
 
-            why = paged_support(config=transformers.AutoConfig.from_pretrained(path))
+            why = paged_support(transformers.AutoConfig.from_pretrained(path))
             if why is not None:
                 raise NotImplementedError(f"the draft {path} cannot run paged: {why}")
             torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
             self.model = transformers.AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch_dtype).to(device).eval()
-        why = paged_support(model=self.model)
-        if why is not None:
-            raise NotImplementedError(f"the draft {path} cannot run paged: {why}")
         cfg = self.model.config
         self.device = torch.device(device)
         self.top_k = min(int(top_k), int(cfg.vocab_size))
         self.depth, self.kernels = int(depth), kernels
         self.width = -(-(int(max_len) + self.depth + 1) // page_size)  # page-table entries per request
-        self.decoder = PagedDecoder(self.model, self.width * page_size)
+        try:  # checks the loaded modules
+            self.decoder = PagedDecoder(self.model, self.width * page_size)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"the draft {path} cannot run paged: {e}") from None
         dt = next(self.model.parameters()).dtype
         num_pages = 1 + max(int(max_requests), 1) * self.width
         if kv_bytes is not None:
@@ -234,7 +234,8 @@ class PagedDraftModel:
         kv_pos = positions if kv_pos is None else kv_pos
         req = torch.arange(mask.cu_nodes.numel() - 1, device=tokens.device)
         if req.numel() != tokens.numel():  # not one token per request (the chain steps): the tokens' requests
-            req = torch.repeat_interleave(req, (mask.cu_nodes[1:] - mask.cu_nodes[:-1]).long(), output_size=tokens.numel())
+            req = torch.repeat_interleave(req, (mask.cu_nodes[1:] - mask.cu_nodes[:-1]).long(),
+                                          output_size=tokens.numel())
         slots = table[req, kv_pos // ps].long() * ps + kv_pos % ps
 
         def attend(q, kc, vc, scale):
