@@ -346,6 +346,19 @@ def plot(results: Path) -> None:
     fig.savefig(results / "controller.png", dpi=120)
 
 
+def int_list(lo: int, hi: int):
+    """argparse type: comma-separated integers in ``[lo, hi]`` -> their sorted tuple."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(sorted(int(v) for v in text.split(",")))
+        except ValueError:
+            values = ()
+        if not values or values[0] < lo or values[-1] > hi:
+            raise argparse.ArgumentTypeError(f"comma-separated integers in [{lo}, {hi}], got {text!r}")
+        return values
+    return parse
+
+
 def main() -> int:
     global MAX_TOKENS, BUDGETS, CHAIN_K
     ap = argparse.ArgumentParser()
@@ -365,10 +378,12 @@ def main() -> int:
     ap.add_argument("--only", action="append", metavar="MODE/DRAFTER",
                     help="run only these engines of the part (e.g. bole_tree/ngram, bole_tree/draft_model/beam4), in the"
                          " order given, keeping the part's other rows")
-    ap.add_argument("--budgets", help=f"the fixed budgets swept, comma-separated (default {','.join(map(str, BUDGETS))};"
-                                      " the largest is the engines' num_speculative_tokens, the controller's cap)")
-    ap.add_argument("--chain-k", help="vLLM's chain lengths swept, comma-separated (default "
-                                      f"{','.join(map(str, CHAIN_K))}): one engine each")
+    ap.add_argument("--budgets", type=int_list(1, 255),
+                    help=f"the fixed budgets swept, comma-separated (default {','.join(map(str, BUDGETS))}; the"
+                         " largest is the engines' num_speculative_tokens, the controller's cap)")
+    ap.add_argument("--chain-k", type=int_list(1, 255),
+                    help=f"vLLM's chain lengths swept, comma-separated (default {','.join(map(str, CHAIN_K))}):"
+                         " one engine each")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)
@@ -377,20 +392,7 @@ def main() -> int:
         ap.error("--part: required (trees, chains or all) unless --plot")
     if args.quick:
         MAX_TOKENS = 32
-    if args.budgets:
-        try:
-            BUDGETS = tuple(sorted(int(b) for b in args.budgets.split(",")))
-        except ValueError:
-            BUDGETS = ()
-        if not BUDGETS or BUDGETS[0] < 1 or BUDGETS[-1] > 255:
-            ap.error(f"--budgets: comma-separated integers in [1, 255], got {args.budgets!r}")
-    if args.chain_k:
-        try:
-            CHAIN_K = tuple(sorted(int(k) for k in args.chain_k.split(",")))
-        except ValueError:
-            CHAIN_K = ()
-        if not CHAIN_K or CHAIN_K[0] < 1:
-            ap.error(f"--chain-k: comma-separated positive integers, got {args.chain_k!r}")
+    BUDGETS, CHAIN_K = args.budgets or BUDGETS, args.chain_k or CHAIN_K
     deadline = time.time() + args.seconds
     args.target, args.draft = args.pair / args.target, args.pair / "draft"
     prompts = json.loads((args.data / "prompts.json").read_text())
