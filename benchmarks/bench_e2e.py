@@ -30,10 +30,12 @@ Per cell: ``tokens_per_s`` (output tokens / generate seconds), ``accept_len`` (t
 per target step: 1 for ``ar``; vLLM's spec-decode counters for ``vllm_chain``; the tree runner's
 counters for ours), ``tpot_ms`` (generate seconds per call / new tokens, averaged: the time per
 output token a request of that call saw, first token included), and for ours the split per step:
-``draft_ms``, ``verify_commit_ms`` (tree verification and commit of the recurrent layers, inside the
-step), ``forward_ms`` (the target forward of a tree step, GPU time), ``prepare_ms`` (input
-preparation per step, host), ``step_ms`` (whole engine step; the rest is vLLM's and our other host
-work), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
+``draft_ms`` (``propose_ms`` of it the drafter's own, the rest building trees), ``verify_commit_ms``
+(tree verification and commit of the recurrent layers, inside the step), ``finish_ms`` (the tree
+step's results to the host, which waits for its forward, and the counters), ``forward_ms`` (the
+target forward of a tree step, GPU time), ``prepare_ms`` (input preparation per step, host;
+``prepare_vllm_ms`` of it vLLM's own), ``step_ms`` (whole engine step; the rest is vLLM's
+scheduler, sampler and output processing), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
 ``mode, drafter, budget, batch, dataset, temperature, tokens_per_s, accept_len, tpot_ms``, ...) and
 ``$OUT/controller.json`` (``rows``: ``batch, dataset, controller_tps, best_fixed_tps,
@@ -162,9 +164,12 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
         row.update(accept_len=1 + st["accepted"] / max(st["verified_requests"], 1),
                    step_ms=1000 * res["generate_s"] / max(st["steps"], 1),
                    draft_ms=1000 * st["draft_s"] / max(st["steps"], 1),
+                   propose_ms=1000 * st.get("propose_s", 0.0) / max(st["steps"], 1),
                    verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
+                   finish_ms=1000 * st.get("finish_s", 0.0) / max(st["tree_steps"], 1),
                    forward_ms=1000 * st["forward_s"] / max(st["tree_steps"], 1),
                    prepare_ms=1000 * st["prepare_s"] / max(st["steps"], 1),
+                   prepare_vllm_ms=1000 * st.get("prepare_vllm_s", 0.0) / max(st["steps"], 1),
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                    branch_by_depth=st.get("branch_by_depth"))

@@ -555,3 +555,35 @@ def test_slots_tree_equals_the_validated_build():
     for name in ("token_ids", "parent", "depth", "cu_nodes", "path", "anc_mask"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert got.max_nodes == want.max_nodes and torch.equal(got.draft_prob, s.flat("qprob"))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_runtime_best_first_heap_equals_level_wise(seed, monkeypatch):
+    """The priority-queue search (small batches) and the level-wise one give the same search state on
+    every valid slot: ties everywhere, zero probabilities, ragged and zero budgets, top_k, max_depth,
+    calibration factors and a batch-wide budget."""
+    import vllm_bole.spec_decode.best_first as bf
+
+    g = torch.Generator().manual_seed(700 + seed)
+    for it in range(60):
+        B, D, K = (int(torch.randint(1, n, (1,), generator=g)) for n in (6, 9, 7))
+        probs = [torch.rand(B, D, K, generator=g).softmax(-1), torch.full((B, D, K), 1.0 / K),
+                 torch.randint(0, 4, (B, D, K), generator=g).float() / 4, torch.rand(B, D, K, generator=g) ** 4][it % 4]
+        probs = probs.sort(-1, descending=True).values
+        tokens = torch.where(probs > 0, torch.randint(0, 100, (B, D, K), generator=g), -1)
+        cands = Candidates(tokens, torch.where(tokens >= 0, probs, 0.0))
+        budget = torch.randint(0, 25, (B,), generator=g) if it % 3 else int(torch.randint(0, 30, (1,), generator=g))
+        opts = dict(max_depth=int(torch.randint(1, D + 2, (1,), generator=g)), top_k=[None, 1, 2, 5][it % 4])
+        if it % 5 == 0:
+            opts["total_budget"] = int(torch.randint(0, 30, (1,), generator=g))
+        if it % 2:
+            opts["calibration"] = torch.rand(65, 3, generator=g) * 2
+        roots = torch.randint(0, 100, (B,), generator=g)
+        got = {}
+        for name, slots in (("heap", 10**9), ("levels", 0)):
+            monkeypatch.setattr(bf, "HEAP_SLOTS", slots)
+            got[name] = best_first_slots(roots, cands, budget, **opts)
+        a, b = got["heap"], got["levels"]
+        assert torch.equal(a.valid, b.valid), (seed, it)
+        for f in ("token", "parent", "depth", "logrho", "qprob", "kind", "row"):
+            assert torch.equal(getattr(a, f)[a.valid], getattr(b, f)[b.valid]), (seed, it, f)

@@ -130,8 +130,8 @@ class TreeRunnerMixin:
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
-                                accepted=0, verified_requests=0, draft_s=0.0, verify_commit_s=0.0, prepare_s=0.0,
-                                forward_s=0.0)
+                                accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0, verify_commit_s=0.0,
+                                finish_s=0.0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0)
         self._bole_forward_timer: _ForwardTimer | None = None
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
@@ -334,7 +334,9 @@ class TreeRunnerMixin:
     def _bole_prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self._bole_budget is not None:
             self._bole_budget.start()
+        t0 = time.perf_counter()
         logits_indices, spec_md, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self._bole_stats["prepare_vllm_s"] += time.perf_counter() - t0
         assert spec_md is None, "vllm-bole: the model-side config must not carry vLLM's speculative config"
         self._bole_install_layers()
         self._bole_stats["steps"] += 1
@@ -435,9 +437,9 @@ class TreeRunnerMixin:
             commit(self._bole_attention + self._bole_recurrent_layers(), tree, res)
         for r, rid in enumerate(step.req_ids if step.state_slots else ()):  # host copies: no device sync
             self._bole_pending_slots[rid] = {gid: slots[r] for gid, slots in step.state_slots_host.items()}
-        dt = time.perf_counter() - t0
-        self._bole_stats["verify_commit_s"] += dt
-        self._bole_metrics.observe("vllm:bole_verify_commit_seconds", dt)
+        t1 = time.perf_counter()
+        self._bole_stats["verify_commit_s"] += t1 - t0
+        self._bole_metrics.observe("vllm:bole_verify_commit_seconds", t1 - t0)
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
         host = res.to("cpu")  # the step's results on the host: its forward has run
         if self._bole_forward_timer is not None:
@@ -469,6 +471,7 @@ class TreeRunnerMixin:
             if times is not None:
                 self._bole_metrics.observe("vllm:bole_step_predicted_seconds", times[0])
                 self._bole_metrics.observe("vllm:bole_step_measured_seconds", times[1])
+        self._bole_stats["finish_s"] += time.perf_counter() - t1
         return SamplerOutput(sampled_token_ids=upload(grid, logits.device, torch.int32), logprobs_tensors=logprobs)
 
     def sample_tokens(self, grammar_output):
@@ -494,9 +497,11 @@ class TreeRunnerMixin:
 
     def bole_stats(self) -> dict:
         """Counters (steps, tree steps, ``graph_tree_steps`` those replayed from a whole CUDA graph, drafted
-        nodes, accepted nodes; seconds: ``draft_s`` drafting per step, ``prepare_s`` input preparation per
-        step (host), ``forward_s`` the target forward of tree steps (device time on CUDA),
-        ``verify_commit_s`` per tree step (host, until the results are queued)) and the per-step log of
+        nodes, accepted nodes; seconds: ``draft_s`` drafting per step (``propose_s`` of it the drafter's
+        own, the rest building trees), ``prepare_s`` input preparation per step (host; ``prepare_vllm_s``
+        of it vLLM's own), ``forward_s`` the target forward of tree steps (device time on CUDA),
+        ``verify_commit_s`` per tree step (host, until the results are queued), ``finish_s`` the tree
+        step's sampler output after that (results to the host, counters)) and the per-step log of
         (request, drafted greedy-chain length, accepted draft nodes); ``branch_by_depth``: per depth
         1..max_depth, main-path and sibling nodes reached and accepted since the engine started;
         ``calibration``: per node kind (main, branch, off) and depth the recent acceptance rates and
@@ -626,7 +631,8 @@ class TreeRunnerMixin:
         tree, choice = draft_trees(self._bole_drafter, roots, hists, depths, ctl.search_budget(cap) if ctl else cap,
                                    max_depth=cfg.depth, top_k=cfg.top_k, controller=ctl,
                                    kv_lens=[len(h) for h in hists], keys=req_ids,
-                                   calibration=self._bole_calibration.factors() if cfg.calibrate else None)
+                                   calibration=self._bole_calibration.factors() if cfg.calibrate else None,
+                                   timings=self._bole_stats)
         if choice is not None:
             budget.chosen(choice)
             self._bole_metrics.observe("vllm:bole_budget_nodes", choice.total)

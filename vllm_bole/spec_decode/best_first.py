@@ -39,6 +39,7 @@ Algorithm (:func:`grow`)
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -51,6 +52,11 @@ from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
 
 __all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow"]
+# per-depth candidates: the priority-queue search up to this many slots in the batch (B * (largest
+# budget + 1)), the level-wise numpy search above. best_first_tree, depth 6, 16 candidates, budget 16,
+# on a 2-core Xeon: 0.59 against 0.82 ms at 1 request, 0.99 against 1.14 ms at 8; equal near 270
+# slots; 2.4 against 1.8 ms at 32 requests
+HEAP_SLOTS = 256
 
 
 @dataclass
@@ -339,8 +345,80 @@ def best_first_slots(
         prob, order = prob.sort(dim=-1, descending=True, stable=True)
         prob, tok = _np(prob[..., :c]), _np(candidates.tokens[:, :L].gather(-1, order)[..., :c])
 
+    if prob is not None and caps.numel() * (int(caps.max()) + 1) <= HEAP_SLOTS:
+        return _as_slots(_heap_search(_np(root), prob, tok, _np(caps), total_budget, calibration), root.device)
+
     def expand(fb, fs, d, _slots):
         f = fb.numpy()
         return prob[f, d], tok[f, d], None
 
     return grow(root, expand, caps, L, total_budget=total_budget, calibration=calibration)
+
+
+def _child_logs(prob: np.ndarray, calibration) -> tuple[np.ndarray, np.ndarray]:
+    """``(main, other)`` ``[B, L, c]`` float64 log scores of the children at each depth: of a main-path
+    parent (first child main, later ones branch) and of any other parent (off); :func:`grow`'s
+    scores, computed by the same numpy expressions (so the same floats)."""
+    vals = prob
+    if calibration is None:
+        with np.errstate(divide="ignore"):
+            logs = np.log(vals.astype(np.float64))
+        return logs, logs
+    cal = _np(calibration).astype(np.float32)
+    L, c = vals.shape[1:]
+    f = cal[1: L + 1]  # [L, 3]: child depth d + 1
+    out = []
+    for kinds in (np.where(np.arange(c) == 0, 0, 1), np.full(c, 2)):
+        scaled = np.minimum.accumulate(np.minimum(vals.astype(np.float32) * f[:, kinds][None], 1.0), axis=-1)
+        score = np.where(vals > 0, scaled, vals.astype(np.float32)).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            out.append(np.log(score))
+    return out[0], out[1]
+
+
+def _heap_search(root: np.ndarray, prob: np.ndarray, tok: np.ndarray, caps: np.ndarray, total_budget,
+                 calibration) -> dict:
+    """:func:`grow` over per-depth candidates (``prob``/``tok`` ``[B, L, c]``, most probable first)
+    as a priority queue: a node enters with its first child and its next sibling as candidates (a
+    node's score never exceeds its parent's nor its previous sibling's, so every node comes out in
+    the order (``logrho`` desc, request asc, depth asc, ranks lexicographic asc), which is (logrho
+    desc, request, breadth-first position): :func:`grow`'s order, hence its trees. A few Python
+    operations per kept node instead of dozens of numpy operations per depth level: faster while
+    the batch holds at most :data:`HEAP_SLOTS` slots. Returns :func:`grow`'s numpy state."""
+    B, L, c = prob.shape
+    S = int(caps.max()) + 1
+    main, other = _child_logs(prob, calibration)
+    ok = (prob > 0).tolist()
+    logs = (main.tolist(), other.tolist())
+    heap = [(-logs[0][b][0][0], b, 1, (0,), 0.0, 0) for b in range(B) if caps[b] > 0 and L > 0 and ok[b][0][0]]
+    heapq.heapify(heap)
+    kept: list[list] = [[] for _ in range(B)]
+    room = caps.tolist()
+    left = math.inf if total_budget is None else int(total_budget)
+    while heap and left > 0:
+        neg, b, d, ranks, plog, pkind = heapq.heappop(heap)
+        if not room[b]:
+            continue
+        room[b] -= 1
+        left -= 1
+        j = ranks[-1]
+        kind = 2 if pkind else int(j > 0)
+        kept[b].append((d, ranks, -neg, kind))
+        if j + 1 < c and ok[b][d - 1][j + 1]:  # the next sibling
+            heapq.heappush(heap, (-(plog + logs[pkind != 0][b][d - 1][j + 1]), b, d, ranks[:-1] + (j + 1,), plog, pkind))
+        if d < L and ok[b][d][0]:  # the first child
+            heapq.heappush(heap, (-(-neg + logs[kind != 0][b][d][0]), b, d + 1, ranks + (0,), -neg, kind))
+    a = dict(valid=np.zeros((B, S), bool), token=np.zeros((B, S), np.int64), parent=np.full((B, S), -1, np.int64),
+             depth=np.zeros((B, S), np.int64), logrho=np.full((B, S), -np.inf), qprob=np.ones((B, S), np.float32),
+             row=np.full((B, S), -1, np.int64), nid=np.zeros((B, S), np.int64), kind=np.zeros((B, S), np.int64))
+    a["valid"][:, 0], a["token"][:, 0], a["logrho"][:, 0] = True, root, 0.0
+    for b in range(B):
+        nodes = sorted(kept[b])  # breadth-first: depth, then ranks
+        slot = {(): 0}
+        for i, (d, ranks, lr, kind) in enumerate(nodes, 1):
+            slot[ranks] = i
+            a["parent"][b, i], a["depth"][b, i], a["logrho"][b, i], a["kind"][b, i] = slot[ranks[:-1]], d, lr, kind
+            a["token"][b, i], a["qprob"][b, i], a["nid"][b, i] = tok[b, d - 1, ranks[-1]], prob[b, d - 1, ranks[-1]], i
+        a["valid"][b, : len(nodes) + 1] = True
+    a["qprob"][~a["valid"]] = 0.0
+    return a

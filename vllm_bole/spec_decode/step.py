@@ -16,6 +16,7 @@ chain rejection sampler returns, so an engine's bookkeeping of accepted tokens s
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
@@ -33,7 +34,7 @@ __all__ = ["Sampling", "TreeLayer", "commit", "draft_trees", "verify_tree"]
 def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequence[int]], depths: Sequence[int],
                 budget: int, *, max_depth: int, top_k: int | None = None, controller: BudgetController | None = None,
                 kv_lens: Sequence[int] | None = None, keys: Sequence | None = None,
-                calibration: torch.Tensor | None = None) -> tuple[TreeBatch, Choice | None]:
+                calibration: torch.Tensor | None = None, timings: dict | None = None) -> tuple[TreeBatch, Choice | None]:
     """Best-first trees of at most ``budget`` draft nodes per request from the drafter's per-depth
     candidates (or drafted node by node by a :class:`~vllm_bole.spec_decode.candidates.TreeDrafter`);
     a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the last
@@ -42,21 +43,30 @@ def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequ
     trees and that choice (None without a controller). ``keys`` [B] identify the requests to a
     drafter that keeps per-request state across steps (the paged draft model). ``calibration``:
     the builder's per (depth, kind) factors (:class:`~vllm_bole.spec_decode.calibration.Calibration`).
-    The trees carry the drafter's probability of every node (``draft_prob``)."""
+    The trees carry the drafter's probability of every node (``draft_prob``). ``timings``: a dict to
+    which ``propose_s`` (the drafter's own seconds; the rest is building the trees) is added."""
     opts = dict(max_depth=max_depth, top_k=top_k, calibration=calibration)
+    t0 = time.perf_counter()
     # with a controller: one search at ``budget``, cut to the chosen budgets (``Slots.prune``: the
     # best-first trees of those budgets over the same expansions)
     if isinstance(drafter, TreeDrafter):  # drafted node by node
         full = drafter.grow_trees(roots, histories, depths, budget, keys=keys, **opts)
+        _add(timings, t0)
         if controller is None:
             return full.tree(), None
     else:
         cands = drafter.propose(histories, depths, keys=keys)
+        _add(timings, t0)
         if controller is None:
             return best_first_tree(roots, cands, budget, **opts), None
         full = best_first_slots(roots, cands, budget, **opts)
     choice = controller.choose(full.logrho, full.valid, kv_lens)
     return full.prune(choice.budgets).tree(), choice
+
+
+def _add(timings: dict | None, t0: float) -> None:
+    if timings is not None:
+        timings["propose_s"] = timings.get("propose_s", 0.0) + time.perf_counter() - t0
 
 
 @dataclass
