@@ -119,6 +119,7 @@ def test_graph_replay_path_on_cpu(tiny, monkeypatch):
     ref = HFDraftModel(path, top_k=3)
     pd = PagedDraftModel(path, top_k=3, max_len=256, depth=4, max_requests=6, kernels="torch")
     pd.cuda_graphs = True
+    assert pd.capture_graphs(3) == 3 and sorted(pd._graphs) == [1, 2, 4]  # at engine start: every bucket to 3 rows
     g = torch.Generator().manual_seed(11)
     hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (9, 3, 40, 1, 22)]
     for live in (range(5), range(5), (0, 2, 4), range(5)):  # the last step reads what padding rows must not touch
@@ -128,7 +129,16 @@ def test_graph_replay_path_on_cpu(tiny, monkeypatch):
         for b, i in enumerate(live):
             k = int(torch.randint(0, depths[b] + 1, (1,), generator=g))
             hists[i] += got.tokens[b, :k, 0].tolist() + [int(torch.randint(3, 1000, (1,), generator=g))]
-    assert pd.cuda_graphs and sorted(pd._graphs) == [1, 4]
+    assert pd.cuda_graphs and sorted(pd._graphs) == [1, 2, 4]
+
+    def refused(self, B):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(PagedDraftModel, "_step_graph", refused)  # a refused capture: eager from then on
+    pd._graphs.clear()
+    assert pd.capture_graphs(3) == 0 and not pd.cuda_graphs
+    assert pd.runtime.endswith("eager: RuntimeError: operation not permitted when stream is capturing)")
+    assert_same_candidates(pd.propose(hists[:2], [3, 3], keys=["0", "1"]), ref.propose(hists[:2], [3, 3]), [3, 3])
 
 
 def test_eviction_and_refusal(tiny):

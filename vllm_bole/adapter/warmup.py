@@ -17,7 +17,9 @@ Everything lands on KV block 0 / state slot 0, vLLM's null block, which no reque
 block's states and K/V are zeroed afterwards and nothing stays pending. Decision: always on under
 CUDA (the GPU worker calls it after vLLM's own warm-up and CUDA-graph capture; a few seconds on a
 warm cache), not on CPU, where the torch twins need no compilation (the tests call it through
-``collective_rpc("bole_warm_up")`` to show it leaves outputs unchanged).
+``collective_rpc("bole_warm_up")`` to show it leaves outputs unchanged). The paged draft's step
+graphs are captured here too, every batch bucket up to ``max_num_seqs`` (else a bucket's first use
+inside a step paid its capture).
 """
 from __future__ import annotations
 
@@ -126,8 +128,11 @@ def warm_up_tree_kernels(runner) -> dict:
         for _ in range(2):  # the second step folds the path the first one stashed
             _step(runner, requests, nodes, prefix)
     _clear_null_block(runner)
+    capture = getattr(runner._bole_drafter, "capture_graphs", None)  # the paged draft's step graphs
+    buckets = capture(runner.scheduler_config.max_num_seqs) if capture is not None else 0
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
     dt = time.perf_counter() - t0
-    logger.info("vllm-bole: tree-step kernels warmed up in %.1f s (%d tree shapes)", dt, len(shapes))
-    return dict(shapes=shapes, seconds=dt)
+    logger.info("vllm-bole: tree-step kernels warmed up in %.1f s (%d tree shapes, %d draft-step graphs)", dt,
+                len(shapes), buckets)
+    return dict(shapes=shapes, seconds=dt, draft_graphs=buckets)

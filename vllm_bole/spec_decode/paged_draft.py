@@ -323,6 +323,26 @@ class PagedDraftModel:
             self._graphs[B] = (graph, bufs)
         return self._graphs[B]
 
+    def capture_graphs(self, max_batch: int) -> int:
+        """Capture the step's graph of every batch bucket up to the one holding ``max_batch`` rows now
+        (engine start) instead of at each bucket's first use inside a step. Returns the buckets
+        captured (0: eager)."""
+        if not self.cuda_graphs:
+            return 0
+        top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
+        try:
+            for b in BUCKETS[: BUCKETS.index(top) + 1]:
+                self._step_graph(b)
+        except RuntimeError as e:
+            self._graphs_failed(e)
+            return 0
+        return len(self._graphs)
+
+    def _graphs_failed(self, e: RuntimeError) -> None:
+        """A capture was refused (e.g. a kernel that syncs): eager steps from now on, said once."""
+        self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        logger.warning("vllm-bole: draft steps run eagerly: CUDA graph capture failed (%s)", self.graph_error)
+
     # ------------------------------------------------------------------ the drafter
     def release(self, keys: Sequence) -> None:
         """Forget finished requests (their pages go back to the pool)."""
@@ -417,9 +437,8 @@ class PagedDraftModel:
         if self.cuda_graphs:
             try:
                 return self._replay(live, hists, L, start, table, D)
-            except RuntimeError as e:  # capture refused (e.g. a kernel that syncs): eager from now on
-                self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                logger.warning("vllm-bole: draft steps run eagerly: CUDA graph capture failed (%s)", self.graph_error)
+            except RuntimeError as e:
+                self._graphs_failed(e)
         bufs = self._eager_step(live, hists, L, start, table, D - 1)
         return bufs["out_t"].cpu(), bufs["out_p"].cpu()
 
