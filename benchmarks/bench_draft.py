@@ -9,10 +9,12 @@ B histories of ``--prompt`` tokens; a steady-state step = every request accepted
 tokens plus a bonus since the last call, then ``propose`` at depth D (``--depth``), top-k 8. Reported:
 milliseconds per step (median of ``--steps`` steps, whole ``propose`` call incl. host work and the
 copy of the candidates to the host; for the tree drafters the whole ``grow_trees`` search of a
-16-node tree), per drafted node (B x D candidate rows; trees: B x 16 nodes), and the transformers /
+16-node tree; ``paged_trees_host`` / ``paged_trees_device``: the runner's whole drafting of 16-node
+best-first trees, searched on the host over the candidates / inside the draft's step graph), per
+drafted node (B x D candidate rows; trees: B x 16 nodes), and the transformers /
 paged ratio (issue 16's target: the in-engine draft model at least 5x faster per drafted node).
 Correctness beside it: fp32 candidates of the paged model equal the transformers drafter's (ties
-aside) after a few steps, every B.
+aside) after a few steps, every B; the trees searched in the step equal the host search's.
 
     python benchmarks/bench_draft.py                 # H200: writes draft_speed.json
     python benchmarks/bench_draft.py --quick         # CPU dry run (B = 1, 2; eager only)
@@ -33,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import write_results  # noqa: E402
 
+from vllm_bole.spec_decode.best_first import best_first_tree  # noqa: E402
 from vllm_bole.spec_decode.draft_model import HFDraftModel  # noqa: E402
 from vllm_bole.spec_decode.paged_draft import PagedDraftModel  # noqa: E402
 from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel  # noqa: E402
+from vllm_bole.spec_decode.step import draft_trees  # noqa: E402
 
 TREE_NODES = 16
 
@@ -65,8 +69,10 @@ def same_candidates(a, b, tol: float) -> bool:
     return True
 
 
-def steps(drafter, B: int, args, keys: bool, gen: torch.Generator) -> tuple[list[float], list]:
-    """Step times (ms) and the candidates of every step for ``B`` requests."""
+def steps(drafter, B: int, args, keys: bool, gen: torch.Generator, trees: str | None = None) -> tuple[list[float], list]:
+    """Step times (ms) and the candidates of every step for ``B`` requests; ``trees``: the whole drafting of
+    the runner instead, best-first trees of ``TREE_NODES`` nodes as ``draft_trees`` builds them (``"host"``:
+    candidates to the host, searched there; ``"device"``: searched inside the step, ``grow_trees``)."""
     hists = [torch.randint(3, DRAFT["vocab_size"], (args.prompt,), generator=gen).tolist() for _ in range(B)]
     arrays = [np.array(h, dtype=np.int32) for h in hists]
     kw = dict(keys=[f"r{i}" for i in range(B)]) if keys else {}
@@ -76,7 +82,15 @@ def steps(drafter, B: int, args, keys: bool, gen: torch.Generator) -> tuple[list
         if torch.device(drafter.device).type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if tree:
+        if trees:
+            roots = [h[-1] for h in hists]
+            if trees == "host":
+                c = best_first_tree(roots, drafter.propose(arrays, [args.depth] * B, **kw), TREE_NODES,
+                                    max_depth=args.depth)
+            else:
+                c, _ = draft_trees(drafter, roots, arrays, [args.depth] * B, TREE_NODES, max_depth=args.depth, **kw)
+            chain = [c.request(i)[1][1: args.accept + 1] for i in range(B)]
+        elif tree:
             c = drafter.grow_trees([h[-1] for h in hists], arrays, [args.depth] * B, TREE_NODES, max_depth=args.depth,
                                    **kw)
             chain = [[t for t in c.tree().request(i)[1][1: args.accept + 1]] for i in range(B)]
@@ -148,18 +162,26 @@ def main() -> None:
         kinds = {"transformers": hf}
         common = dict(top_k=8, device=dev, max_len=args.prompt + 64 * (args.steps + 2), depth=args.depth,
                       max_requests=max(args.batches))
-        for graphs in ((False, True) if dev == "cuda" else (False,)):
-            kinds[f"paged_{'graphs' if graphs else 'eager'}"] = PagedDraftModel(path, cuda_graphs=graphs, **common)
+        graphs = dev == "cuda"
+        for g in ((False, True) if graphs else (False,)):
+            kinds[f"paged_{'graphs' if g else 'eager'}"] = PagedDraftModel(path, cuda_graphs=g, **common)
         for beam in (2, 4):
             kinds[f"paged_tree_beam{beam}"] = PagedTreeDraftModel(path, beam=beam, **common)
+        modes = {"paged_trees_host": "host", "paged_trees_device": "device"}  # the runner's whole drafting
+        for k in modes:
+            kinds[k] = PagedDraftModel(path, cuda_graphs=graphs, **common)
         for B in args.batches:
-            res = {k: steps(d, B, args, k != "transformers", torch.Generator().manual_seed(B)) for k, d in kinds.items()}
+            res = {k: steps(d, B, args, k != "transformers", torch.Generator().manual_seed(B), modes.get(k))
+                   for k, d in kinds.items()}
             if dtype == torch.float32:
                 ref = res["transformers"][1]
                 for k, (_, outs) in res.items():
                     if k.startswith("paged_") and "tree" not in k:
                         ok = all(same_candidates(a, b, 1e-4) for a, b in zip(outs, ref))
                         checks.append(dict(batch=B, drafter=k, fp32_equal_to_transformers=ok))
+                same = all(torch.equal(a.parent, b.parent) and torch.equal(a.token_ids, b.token_ids)
+                           for a, b in zip(res["paged_trees_device"][1], res["paged_trees_host"][1]))
+                checks.append(dict(batch=B, drafter="paged_trees_device", fp32_trees_equal_to_host_search=same))
                 continue
             base = statistics.median(res["transformers"][0])
             for k, (ts, _) in res.items():

@@ -587,3 +587,30 @@ def test_runtime_best_first_heap_equals_level_wise(seed, monkeypatch):
         assert torch.equal(a.valid, b.valid), (seed, it)
         for f in ("token", "parent", "depth", "logrho", "qprob", "kind", "row"):
             assert torch.equal(getattr(a, f)[a.valid], getattr(b, f)[b.valid]), (seed, it, f)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_level_search_equals_the_host_search(seed):
+    """``level_search`` (torch, fixed shapes, graph-safe: the paged draft runs it inside its step) gives
+    ``best_first_slots``' search state on every kept slot: ties, zero probabilities, ragged and zero
+    budgets, calibration factors (ones: none), more slots than the largest budget needs."""
+    from vllm_bole.spec_decode.best_first import level_search
+
+    g = torch.Generator().manual_seed(900 + seed)
+    for it in range(50):
+        B, D, K = (int(torch.randint(1, n, (1,), generator=g)) for n in (6, 9, 7))
+        probs = [torch.rand(B, D, K, generator=g).softmax(-1), torch.full((B, D, K), 1.0 / K),
+                 torch.randint(0, 4, (B, D, K), generator=g).float() / 4, torch.rand(B, D, K, generator=g) ** 4][it % 4]
+        probs = probs.sort(-1, descending=True).values
+        tokens = torch.where(probs > 0, torch.randint(0, 100, (B, D, K), generator=g), -1)
+        probs = torch.where(tokens >= 0, probs, 0.0)
+        caps = torch.randint(0, 25, (B,), generator=g)
+        cal = torch.rand(65, 3, generator=g) * 2 if it % 2 else None
+        roots = torch.randint(0, 100, (B,), generator=g)
+        want = best_first_slots(roots, Candidates(tokens, probs), caps, calibration=cal)
+        got = level_search(roots, probs, tokens, caps, int(caps.max()) + 1 + it % 3,
+                           cal if cal is not None else torch.ones(65, 3))
+        S = want.valid.shape[1]
+        assert torch.equal(got.valid[:, :S], want.valid) and not got.valid[:, S:].any(), (seed, it)
+        for f in ("token", "parent", "depth", "logrho", "qprob", "kind"):
+            assert torch.equal(getattr(got, f)[:, :S][want.valid], getattr(want, f)[want.valid]), (seed, it, f)

@@ -67,6 +67,64 @@ def test_paged_equals_transformers(tiny, kernels):
             pd.release(["a"])  # a finished request comes back under the same key: caught up from scratch
 
 
+def assert_same_slots(got, want):
+    """Equal search states on every kept slot (widths may differ: the step searches ``max_budget`` slots)."""
+    S = want.valid.shape[1]
+    assert torch.equal(got.valid[:, :S], want.valid) and not got.valid[:, S:].any()
+    for f in ("token", "parent", "depth", "logrho", "qprob", "kind"):
+        assert torch.equal(getattr(got, f)[:, :S][want.valid], getattr(want, f)[want.valid]), f
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_trees_searched_in_the_step_equal_the_host_search(tiny, graphs, monkeypatch):
+    """``grow_trees`` (the best-first search inside the draft's step, in its graph on CUDA) equals
+    ``best_first_slots`` over ``propose``'s candidates on a second drafter: ragged and zero budgets, the
+    ``max_budget`` edge, calibration factors, a shallower ``max_depth``, a zero depth, an empty
+    history, four steps of growing histories; a budget over ``max_budget`` and a smaller ``top_k`` take
+    the host search. ``graphs``: the step through the graph path's static buffers and batch buckets
+    (replayed eagerly, as in ``test_graph_replay_path_on_cpu``)."""
+    from vllm_bole.spec_decode import paged_draft
+    from vllm_bole.spec_decode.best_first import best_first_slots
+
+    if graphs:
+        monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4, 8))
+        monkeypatch.setattr(PagedDraftModel, "_step_graph", _eager_graph)
+    path = str(tiny["llama"])
+    pd, ref = (PagedDraftModel(path, top_k=4, max_len=256, depth=5, max_requests=6, kernels="torch", max_budget=12)
+               for _ in range(2))
+    pd.cuda_graphs = graphs
+    g = torch.Generator().manual_seed(8)
+    hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (5, 17, 1, 40, 30, 0)]
+    depths, keys = [4, 2, 5, 5, 0, 5], list("abcdef")
+    for step, (budget, max_depth) in enumerate([([3, 12, 0, 7, 5, 2], 5), (12, 4), ([1, 2, 3, 4, 5, 6], 5), (9, 5)]):
+        cal = torch.rand(65, 3, generator=g) * 2 if step % 2 else None
+        roots = [h[-1] if h else 0 for h in hists]
+        got = pd.grow_trees(roots, hists, depths, budget, keys=keys, max_depth=max_depth, calibration=cal)
+        want = best_first_slots(roots, ref.propose(hists, depths, keys=keys), budget, max_depth=max_depth,
+                                calibration=cal)
+        assert_same_slots(got, want)
+        for b, h in enumerate(hists):
+            if h:
+                h += [int(torch.randint(3, 1000, (1,), generator=g)) for _ in range(1 + step)]
+    for budget, top_k in ((13, None), (5, 2)):  # outside what the step searches: the host search
+        got = pd.grow_trees(roots, hists, depths, budget, keys=keys, max_depth=5, top_k=top_k)
+        assert_same_slots(got, best_first_slots(roots, ref.propose(hists, depths, keys=keys), budget, max_depth=5,
+                                                top_k=top_k))
+    assert not graphs or sorted(pd._graphs) == [4]  # four live rows (a zero depth, an empty history)
+
+
+def _eager_graph(self, B):
+    """``_step_graph`` without a GPU: the same body on the same static buffers, replayed eagerly."""
+    class EagerGraph:
+        def __init__(self, run):
+            self.replay = run
+
+    if B not in self._graphs:
+        bufs = self._buffers(B, self.depth - 1, search=True)
+        self._graphs[B] = (EagerGraph(lambda: self._step(bufs, self.depth - 1, self.width * self.pool.page_size)), bufs)
+    return self._graphs[B]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_gqa"])
 def test_decoder_variants_equal_transformers(tmp_path, arch):
     """The few-kernel forward (``paged_decoder.py``) on the other shapes of the family: Qwen2's QKV
@@ -102,19 +160,8 @@ def test_graph_replay_path_on_cpu(tiny, monkeypatch):
     candidates stay the transformers drafter's over four steps."""
     from vllm_bole.spec_decode import paged_draft
 
-    class EagerGraph:
-        def __init__(self, run):
-            self.replay = run
-
-    def step_graph(self, B):
-        if B not in self._graphs:
-            bufs = self._buffers(B, self.depth - 1)
-            self._graphs[B] = (EagerGraph(lambda: self._step(bufs, self.depth - 1, self.width * self.pool.page_size)),
-                               bufs)
-        return self._graphs[B]
-
     monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4))
-    monkeypatch.setattr(PagedDraftModel, "_step_graph", step_graph)
+    monkeypatch.setattr(PagedDraftModel, "_step_graph", _eager_graph)
     path = str(tiny["llama"])
     ref = HFDraftModel(path, top_k=3)
     pd = PagedDraftModel(path, top_k=3, max_len=256, depth=4, max_requests=6, kernels="torch")

@@ -12,9 +12,13 @@ Per request (``key``: the engine's request id) the drafter keeps the tokens whos
    tokens and the root: at most ``S`` in steady state) in ONE forward of ``S`` slots per request
    (junk after the real tokens, at chain positions), the depth-1 top-``k`` at the last real one;
    then ``D - 1`` forwards of one token per request (the previous depth's top-1, at position
-   ``len + d - 1``), each giving the next depth's top-``k``. On CUDA the whole step replays one
-   CUDA graph, captured per batch bucket (:data:`BUCKETS`) at its first use (on the H200 a
-   catch-up through transformers' eager modules took ~6 ms of host time per step).
+   ``len + d - 1``), each giving the next depth's top-``k``; for :meth:`PagedDraftModel.grow_trees`
+   then the best-first search over those candidates on the device
+   (:func:`~vllm_bole.spec_decode.best_first.level_search`; on the host it cost 0.6 ms at one
+   request and ~6 ms at 128 on the H200's host), so only the trees cross to the host. On CUDA the
+   whole step replays one CUDA graph, captured per batch bucket (:data:`BUCKETS`) in the engine's
+   warm-up (on the H200 a catch-up through transformers' eager modules took ~6 ms of host time per
+   step).
 
 The chain's own K/V (positions ``>= len(history)``) is scratch: only the history counts as cached,
 so tokens accepted from the chain are recomputed by the next catch-up (at most ``D + 1`` tokens).
@@ -47,10 +51,11 @@ import numpy as np
 import torch
 
 from vllm_bole.attention.tree_attention import tree_attention
+from vllm_bole.spec_decode.best_first import Slots, best_first_slots, budgets, level_search
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
-from vllm_bole.spec_decode.tree import MAX_NODES
+from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
 from vllm_bole.transfer import upload, upload_many
 
 __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support"]
@@ -60,6 +65,7 @@ PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the step
 WORDS = (MAX_NODES + 31) // 32
+TREE_FIELDS = ("valid", "token", "parent", "depth", "kind", "logrho", "qprob")  # the step's trees, per slot
 
 
 @dataclass
@@ -177,7 +183,7 @@ class PagedDraftModel:
 
     def __init__(self, path: str, dtype: str = "auto", top_k: int = 8, device="cpu", *, max_len: int,
                  depth: int, max_requests: int = 1, kv_bytes: int | None = None, page_size: int = 16,
-                 kernels: str = "auto", cuda_graphs: bool = True):
+                 kernels: str = "auto", cuda_graphs: bool = True, max_budget: int = 16):
         with hidden_fla(str(device) == "cpu"):
             import transformers
 
@@ -191,6 +197,9 @@ class PagedDraftModel:
         self.device = torch.device(device)
         self.top_k = min(int(top_k), int(cfg.vocab_size))
         self.depth, self.kernels = int(depth), kernels
+        if not 0 <= int(max_budget) < MAX_NODES:
+            raise ValueError(f"max_budget: {max_budget}, need 0 <= max_budget < {MAX_NODES}")
+        self.slots = int(max_budget) + 1  # the tree search's slots per request (the root and the drafts)
         self.width = -(-(int(max_len) + self.depth + 1) // page_size)  # page-table entries per request
         try:  # checks the loaded modules
             self.decoder = PagedDecoder(self.model, self.width * page_size)
@@ -265,7 +274,10 @@ class PagedDraftModel:
         """The graph body: every row's last ``count`` uncached tokens (``tok`` [B, S], junk after them:
         its K/V lands at chain positions, scratch that the chain overwrites before reading) from
         position ``start``, top-k at the last one into ``out_t`` / ``out_p`` [:, 0]; then ``steps``
-        chain steps into [:, 1:]. Graph-safe: no host syncs, fixed shapes."""
+        chain steps into [:, 1:]; with the search's buffers then each row's best-first tree
+        (:func:`~vllm_bole.spec_decode.best_first.level_search`: ``root``, ``caps`` draft nodes, depths
+        to ``dep``, ``cal`` factors) into ``tree`` [B, slots, TREE_FIELDS]. Graph-safe: no host syncs,
+        fixed shapes."""
         B, S = bufs["tok"].shape
         dev = bufs["tok"].device
         pos = bufs["start"][:, None] + torch.arange(S, device=dev)
@@ -277,9 +289,15 @@ class PagedDraftModel:
         if steps:
             self._chain(t[:, 0], bufs["start"] + bufs["count"], bufs["table"], bufs["mask1"], steps, max_kv_len,
                         bufs["out_t"][:, 1:], bufs["out_p"][:, 1:])
+        if "tree" in bufs:  # the best-first trees over the candidates, each row to its own depth
+            cut = torch.arange(steps + 1, device=dev)[None, :, None] >= bufs["dep"][:, None, None]
+            found = level_search(bufs["root"], bufs["out_p"].masked_fill(cut, 0.0), bufs["out_t"], bufs["caps"],
+                                 self.slots, bufs["cal"])
+            bufs["tree"].copy_(torch.stack([getattr(found, f).double() for f in TREE_FIELDS], -1))
 
-    def _buffers(self, B: int, steps: int) -> dict:
-        """Inputs and outputs of :meth:`_step` for ``B`` rows, every row padding (:meth:`_pad`)."""
+    def _buffers(self, B: int, steps: int, search: bool) -> dict:
+        """Inputs and outputs of :meth:`_step` for ``B`` rows, every row padding (:meth:`_pad`); with
+        ``search`` those of the tree search too."""
         dev, K, S = self.device, self.top_k, self.depth + 1
         bufs = dict(tok=torch.empty(B, S, dtype=torch.long, device=dev),
                     start=torch.empty(B, dtype=torch.long, device=dev),
@@ -288,14 +306,20 @@ class PagedDraftModel:
                     out_t=torch.zeros(B, steps + 1, K, dtype=torch.long, device=dev),
                     out_p=torch.zeros(B, steps + 1, K, dtype=torch.float32, device=dev),
                     mask=chain_mask([S] * B, dev), mask1=chain_mask([1] * B, dev))
+        if search:
+            bufs.update(root=torch.empty(B, dtype=torch.long, device=dev), dep=torch.empty(B, dtype=torch.long, device=dev),
+                        caps=torch.empty(B, dtype=torch.long, device=dev),
+                        cal=torch.ones(MAX_DEPTH + 1, 3, dtype=torch.float32, device=dev),
+                        tree=torch.zeros(B, self.slots, len(TREE_FIELDS), dtype=torch.float64, device=dev))
         self._pad(bufs)
         return bufs
 
     @staticmethod
     def _pad(bufs: dict) -> None:
         """Every row of ``bufs`` a padding row: one token at position 0, page table all trash page."""
-        for name, value in (("tok", 0), ("start", 0), ("count", 1), ("table", 0)):
-            bufs[name].fill_(value)
+        for name, value in (("tok", 0), ("start", 0), ("count", 1), ("table", 0), ("root", 0), ("dep", 0), ("caps", 0)):
+            if name in bufs:
+                bufs[name].fill_(value)
 
     def _step_graph(self, B: int):
         """(graph, static buffers) of :meth:`_step` with ``depth - 1`` chain steps for a batch bucket of
@@ -304,7 +328,7 @@ class PagedDraftModel:
         its address (seen on the H200: a chain mask reused, a device-side assert)."""
         if B not in self._graphs:
             dev, steps = self.device, self.depth - 1
-            bufs = self._buffers(B, steps)
+            bufs = self._buffers(B, steps, search=True)
 
             def run():
                 self._step(bufs, steps, self.width * self.pool.page_size)
@@ -371,7 +395,7 @@ class PagedDraftModel:
         out = Candidates.empty(len(histories), D, self.top_k)
         keys, temp, dep, live, hists = self._admit(histories, depths, keys, D)
         if live:
-            toks, probs = self._propose_live(live, hists, [keys[i] for i in live], D)
+            toks, probs = self._live(live, hists, [keys[i] for i in live], D)
             cut = torch.arange(D)[None, :] >= torch.tensor([dep[i] for i in live])[:, None]
             idx = torch.tensor(live)
             out.tokens[idx] = toks.masked_fill(cut[..., None], -1)
@@ -379,6 +403,41 @@ class PagedDraftModel:
         if temp:
             self.release(keys)
         return out
+
+    @torch.inference_mode()
+    def grow_trees(self, roots, histories: Sequence, depths: Sequence[int], budget, *, keys: Sequence | None = None,
+                   max_depth: int, top_k: int | None = None, calibration: torch.Tensor | None = None) -> Slots:
+        """The best-first trees of ``budget`` draft nodes (int or [B]) per request over the draft's
+        per-depth candidates, as the search's :class:`Slots` (CPU): equal to
+        :func:`~vllm_bole.spec_decode.best_first.best_first_slots` of :meth:`propose`, but searched on
+        the device inside the step (inside its CUDA graph on CUDA), so only the trees cross to the
+        host. A budget over ``max_budget`` or a ``top_k`` under the drafter's is searched on the host
+        instead. Requests with depth 0, an empty history or no room in the pool get their root alone."""
+        B = len(histories)
+        caps = budgets(budget, B, "cpu")
+        if min(int(top_k or self.top_k), self.top_k) != self.top_k or int(caps.max()) >= self.slots:
+            return best_first_slots(roots, self.propose(histories, depths, keys), caps, max_depth=max_depth,
+                                    top_k=top_k, calibration=calibration)
+        D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
+        keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D)
+        root = np.asarray(torch.as_tensor(roots, dtype=torch.long).flatten())
+        tree = np.zeros((B, self.slots, len(TREE_FIELDS)))  # root-only trees, then the live rows' searches
+        tree[..., TREE_FIELDS.index("parent")] = -1
+        tree[..., TREE_FIELDS.index("logrho")] = -np.inf
+        tree[:, 0] = [dict(valid=1, token=0, parent=-1, depth=0, kind=0, logrho=0.0, qprob=1.0)[f] for f in TREE_FIELDS]
+        tree[:, 0, TREE_FIELDS.index("token")] = root
+        if live:
+            search = dict(root=root[live], dep=np.array([dep[i] for i in live]), caps=caps.numpy()[live],
+                          cal=calibration)
+            tree[live] = self._live(live, hists, [keys[i] for i in live], D, search)
+        if temp:
+            self.release(keys)
+        f = {name: tree[..., i] for i, name in enumerate(TREE_FIELDS)}
+        t = torch.from_numpy
+        return Slots(valid=t(f["valid"] > 0), token=t(f["token"].astype(np.int64)), parent=t(f["parent"].astype(np.int64)),
+                     depth=t(f["depth"].astype(np.int64)), logrho=t(f["logrho"].copy()), qprob=t(f["qprob"].astype(np.float32)),
+                     row=torch.full((B, self.slots), -1, dtype=torch.long), kind=t(f["kind"].astype(np.int64)),
+                     nid=torch.arange(self.slots).expand(B, -1).clone())
 
     def _prefill(self, live, hists, keys):
         """Every live request's uncached tokens but its last ``depth + 1`` (at least one: the root)
@@ -405,20 +464,26 @@ class PagedDraftModel:
             self.pool.set_tokens(k, hists[i])
         return L, start, table
 
-    def _fill(self, bufs: dict, live, hists, L, start, table) -> None:
-        """The live rows' last tokens, start, count and page table into the first rows of ``bufs``."""
+    def _fill(self, bufs: dict, live, hists, L, start, table, search: dict | None = None) -> None:
+        """The live rows' last tokens, start, count and page table (and the search's root, depth, caps
+        and calibration) into the first rows of ``bufs``, in one host-to-device copy."""
         n, S = len(live), self.depth + 1
         tok = np.zeros((n, S), dtype=np.int64)
         for r, i in enumerate(live):
             tok[r, : L[r] - start[r]] = hists[i][start[r] :]
-        tok, start, count = upload_many([torch.from_numpy(a) for a in (tok, start, L - start)], self.device)
-        bufs["tok"][:n], bufs["start"][:n], bufs["count"][:n], bufs["table"][:n] = tok, start, count, table
+        arrays = [tok, start, L - start] + ([search["root"], search["dep"], search["caps"]] if search else [])
+        up = upload_many([torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays], self.device)
+        bufs["tok"][:n], bufs["start"][:n], bufs["count"][:n], bufs["table"][:n] = *up[:3], table
+        if search:
+            bufs["root"][:n], bufs["dep"][:n], bufs["caps"][:n] = up[3:]
+            cal = search["cal"]
+            bufs["cal"].copy_(upload(cal.float(), self.device)) if cal is not None else bufs["cal"].fill_(1.0)
 
-    def _eager_step(self, live, hists, L, start, table, steps: int) -> dict:
+    def _eager_step(self, live, hists, L, start, table, steps: int, search: dict | None = None) -> dict:
         """:meth:`_step` of the live rows without a graph (keys up to the longest history and its
         ``depth + 1`` scratch positions); returns its buffers."""
-        bufs = self._buffers(len(live), steps)
-        self._fill(bufs, live, hists, L, start, table)
+        bufs = self._buffers(len(live), steps, search is not None)
+        self._fill(bufs, live, hists, L, start, table, search)
         self._step(bufs, steps, int(L.max()) + self.depth + 1)
         return bufs
 
@@ -430,27 +495,37 @@ class PagedDraftModel:
         bufs = self._eager_step(live, hists, L, start, table, 0)
         return L, table, bufs["out_t"][:, 0], bufs["out_p"][:, 0]
 
-    def _propose_live(self, live, hists, keys, D) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, D, K] tokens and probabilities (CPU) of the live rows: the eager prefill, then the last
-        catch-up forward and the chain steps, on CUDA as one graph replay per batch bucket."""
+    def _live(self, live, hists, keys, D, search: dict | None = None):
+        """The live rows' [n, D, K] tokens and probabilities (CPU), or with ``search`` their trees
+        ``[n, slots, TREE_FIELDS]`` (numpy): the eager prefill, then the last catch-up forward, the
+        chain steps and the search, on CUDA one graph replay per batch bucket."""
         L, start, table = self._prefill(live, hists, keys)
         if self.cuda_graphs:
             try:
-                return self._replay(live, hists, L, start, table, D)
+                return self._replay(live, hists, L, start, table, D, search)
             except RuntimeError as e:
                 self._graphs_failed(e)
-        bufs = self._eager_step(live, hists, L, start, table, D - 1)
-        return bufs["out_t"].cpu(), bufs["out_p"].cpu()
+        return self._read(self._eager_step(live, hists, L, start, table, D - 1, search), len(live), D, search)
 
-    def _replay(self, live, hists, L, start, table, D) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step through the captured graphs (buckets of at most the largest one)."""
-        toks, probs = [], []
+    @staticmethod
+    def _read(bufs: dict, n: int, D: int, search: dict | None):
+        """The first ``n`` rows' results on the host (the step's one synchronisation)."""
+        if search:
+            return bufs["tree"][:n].cpu().numpy()
+        return bufs["out_t"][:n, :D].cpu(), bufs["out_p"][:n, :D].cpu()
+
+    def _replay(self, live, hists, L, start, table, D, search: dict | None = None):
+        """The step through the captured graphs (buckets of at most the largest one), results as
+        :meth:`_live`'s."""
+        out = []
         for s in range(0, len(live), BUCKETS[-1]):
             e = min(len(live), s + BUCKETS[-1])
             graph, bufs = self._step_graph(next(b for b in BUCKETS if b >= e - s))
             self._pad(bufs)
-            self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e])
+            part = search and {k: v if k == "cal" else v[s:e] for k, v in search.items()}
+            self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e], part)
             graph.replay()
-            toks.append(bufs["out_t"][: e - s, :D].cpu())
-            probs.append(bufs["out_p"][: e - s, :D].cpu())
-        return torch.cat(toks), torch.cat(probs)
+            out.append(self._read(bufs, e - s, D, search))
+        if search:
+            return np.concatenate(out)
+        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
