@@ -174,7 +174,8 @@ class TreeRunnerMixin:
             try:
                 self._bole_drafter = cls(
                     cfg.model, cfg.draft_dtype, top_k=top_k, device=self.device, max_len=self.max_model_len,
-                    depth=cfg.depth, max_requests=self.scheduler_config.max_num_seqs, max_budget=cfg.num_speculative_tokens,
+                    depth=cfg.depth, max_requests=self.scheduler_config.max_num_seqs,
+                    max_budget=cfg.num_speculative_tokens,
                     kv_bytes=DRAFT_KV_BYTES[torch.device(self.device).type == "cuda"], kernels=cfg.kernels, **beam)
                 return
             except NotImplementedError as e:

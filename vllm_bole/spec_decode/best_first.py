@@ -51,7 +51,8 @@ import torch
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
 
-__all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search"]
+__all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search", "level_search_packed",
+           "unpack_slots"]
 # per-depth candidates: the priority-queue search up to this many slots in the batch (B * (largest
 # budget + 1)), the level-wise numpy search above. best_first_tree, depth 6, 16 candidates, budget 16,
 # on a 2-core Xeon: 0.59 against 0.82 ms at 1 request, 0.99 against 1.14 ms at 8; equal near 270
@@ -355,66 +356,83 @@ def best_first_slots(
     return grow(root, expand, caps, L, total_budget=total_budget, calibration=calibration)
 
 
+# the packed search state of :func:`level_search_packed`, one float64 per field and slot (exact: tokens and
+# slots are small integers, qprob a float32)
+PACKED_FIELDS = ("valid", "token", "parent", "depth", "kind", "logrho", "qprob")
+
+
 def level_search(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tensor, caps: torch.Tensor, slots: int,
                  calibration: torch.Tensor) -> Slots:
+    """:func:`level_search_packed` as :class:`Slots`."""
+    return unpack_slots(level_search_packed(root, prob, tok, caps, slots, calibration))
+
+
+def unpack_slots(packed: torch.Tensor) -> Slots:
+    """``[B, S, PACKED_FIELDS]`` float64 -> :class:`Slots` (on the same device)."""
+    B, S, _ = packed.shape
+    f = dict(zip(PACKED_FIELDS, packed.unbind(-1)))
+    return Slots(valid=f["valid"] > 0, token=f["token"].long(), parent=f["parent"].long(), depth=f["depth"].long(),
+                 kind=f["kind"].long(), logrho=f["logrho"].clone(), qprob=f["qprob"].float(),
+                 row=torch.full((B, S), -1, dtype=torch.long, device=packed.device),
+                 nid=torch.arange(S, device=packed.device).expand(B, S).clone())
+
+
+def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tensor, caps: torch.Tensor, slots: int,
+                        calibration: torch.Tensor) -> torch.Tensor:
     """:func:`grow` over per-depth candidates in torch with fixed shapes and no host synchronisation, so
     that it runs inside a CUDA graph on the device that drafted them (the paged draft's step): the
     tree's shape then costs device microseconds instead of host milliseconds. ``root`` [B],
     ``prob``/``tok`` ``[B, L, c]`` (most probable first, probability ``<= 0``: no candidate), ``caps``
     [B] draft-node budgets (each ``< slots``), ``calibration`` ``[MAX_DEPTH + 1, 3]`` factors (ones:
     none). Same order and scores as :func:`grow` (the same expressions; its floats where the device's
-    ``log`` rounds as numpy's does); no batch-wide budget. Returns :class:`Slots` ``[B, slots]``."""
+    ``log`` rounds as numpy's does); no batch-wide budget. Returns the state ``[B, slots,
+    PACKED_FIELDS]`` float64: the fields travel packed (one sort, one scatter and one copy to the host
+    per level and step instead of one per field)."""
     B, L, c = prob.shape
     dev, S, M = prob.device, int(slots), int(slots) * (1 + c)
+    TOK, PAR, DEP, KIND, LOG, Q = range(6)  # PACKED_FIELDS without "valid"
     vals = prob.float()
-    kinds = (torch.where(torch.arange(c, device=dev) == 0, 0, 1), torch.full((c,), 2, device=dev))
+    col = torch.arange(c, device=dev)
+    kinds = (torch.where(col == 0, 0, 1), torch.full((c,), 2, device=dev))
     logs = []
     for k in kinds:  # [B, L, c] of a main-path parent, then of any other (grow's scores)
         f = calibration.float()[1: L + 1][:, k]
         scaled = torch.minimum(vals * f[None], torch.ones((), device=dev)).cummin(-1).values
         logs.append(torch.where(vals > 0, scaled, vals).double().log())
     ar = torch.arange(S, device=dev)
-    valid = (ar == 0)[None].expand(B, S)
-    token = torch.where(valid, root.long()[:, None], 0)
-    parent = torch.full((B, S), -1, dtype=torch.long, device=dev)
-    depth = torch.zeros((B, S), dtype=torch.long, device=dev)
-    kind = torch.zeros((B, S), dtype=torch.long, device=dev)
-    logrho = torch.where(valid, 0.0, -math.inf).double()
-    qprob = torch.where(valid, 1.0, 0.0).float()
+    empty = torch.tensor([0.0, -1.0, 0.0, 0.0, -math.inf, 0.0], dtype=torch.float64, device=dev)
+    st = torch.where((ar == 0)[None, :, None], torch.stack(torch.broadcast_tensors(
+        root.double()[:, None], *(torch.tensor([-1.0, 0.0, 0.0, 0.0, 1.0], dtype=torch.float64, device=dev)
+                                  [None, :, None].unbind(1))), -1), empty)  # [B, S, 6]: the roots, then empty
+    count = torch.ones((B, 1), dtype=torch.long, device=dev)
     keep_n = (caps.long() + 1)[:, None]
-    col = torch.arange(c, device=dev)
-    pslot = ar[None, :, None].expand(B, S, c).reshape(B, -1)
+    pslot = ar.double()[None, :, None]
+    ckind = torch.stack(kinds).double()  # [2, c]: a main parent's children, any other's
     positions = torch.arange(M, device=dev)[None].expand(B, M)
+    has, grows, tokd, valsd = vals > 0, (caps > 0)[:, None], tok.double(), vals.double()
     for d in range(L):
-        front = valid & (depth == d) & (caps > 0)[:, None]
-        main = (kind == 0)[:, :, None]
-        ls = torch.where(main, logs[0][:, d, None], logs[1][:, d, None])  # [B, S, c]
-        cvalid = front[:, :, None] & (vals[:, d, None] > 0)
-        clog = torch.where(cvalid, logrho[:, :, None] + ls, -math.inf)
-        ckind = torch.where(main, torch.where(col == 0, 0, 1), 2)
-        cand_valid = torch.cat([valid, cvalid.reshape(B, -1)], 1)
-        key = torch.where(cand_valid, -torch.cat([logrho, clog.reshape(B, -1)], 1), math.inf)
-        order = key.sort(dim=1, stable=True).indices
+        valid = ar[None] < count
+        front = valid & (st[..., DEP] == d) & grows
+        main = (st[..., KIND] == 0)[:, :, None]
+        cvalid = front[:, :, None] & has[:, d, None]
+        clog = torch.where(cvalid, st[..., LOG, None] + torch.where(main, logs[0][:, d, None], logs[1][:, d, None]),
+                           -math.inf)
+        child = torch.stack(torch.broadcast_tensors(tokd[:, d, None], pslot, torch.full((), d + 1.0, device=dev),
+                                                    torch.where(main, ckind[0], ckind[1]), clog, valsd[:, d, None]),
+                            -1)  # [B, S, c, 6]
+        cand = torch.cat([st, child.view(B, S * c, 6)], 1)  # the kept nodes, then the children by (parent, rank)
+        cand_valid = torch.cat([valid, cvalid.view(B, -1)], 1)
+        order = torch.where(cand_valid, -cand[..., LOG], math.inf).sort(dim=1, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, positions)
         keep = cand_valid & (rank < keep_n)
         newpos = keep.long().cumsum(1) - 1
-        dest = torch.where(keep, newpos, S)  # the rest lands in a dump column
-
-        def put(old, new, fill):
-            out = torch.full((B, S + 1), fill, dtype=old.dtype, device=dev)
-            return out.scatter_(1, dest, torch.cat([old, new.reshape(B, -1).to(old.dtype)], 1))[:, :S]
-
-        c_parent = torch.cat([parent, pslot], 1)  # the parent's slot before this level
-        new_parent = torch.where(c_parent >= 0, newpos[:, :S].gather(1, c_parent.clamp(min=0)), -1)
-        parent = torch.full((B, S + 1), -1, dtype=torch.long, device=dev).scatter_(1, dest, new_parent)[:, :S]
-        token = put(token, tok[:, d, None].expand(B, S, c), 0)
-        qprob = put(qprob, vals[:, d, None].expand(B, S, c), 0.0)
-        logrho = put(logrho, clog, -math.inf)
-        kind = put(kind, ckind.expand(B, S, c), 0)
-        depth = put(depth, torch.full((B, S, c), d + 1, device=dev), 0)
-        valid = ar[None] < keep.sum(1, keepdim=True)
-    return Slots(valid=valid, token=token, parent=parent, depth=depth, logrho=logrho, qprob=qprob,
-                 row=torch.full((B, S), -1, dtype=torch.long, device=dev), nid=ar[None].expand(B, S).clone(), kind=kind)
+        par = cand[..., PAR].long()  # the parent's slot before this level -> after it
+        cand[..., PAR] = torch.where(par >= 0, newpos[:, :S].gather(1, par.clamp(min=0)), -1).double()
+        dest = torch.where(keep, newpos, S)[..., None].expand(B, M, 6)  # the rest lands in a dump slot
+        st = torch.zeros((B, S + 1, 6), dtype=torch.float64, device=dev).scatter_(1, dest, cand)[:, :S]
+        count = keep.sum(1, keepdim=True)
+    valid = ar[None] < count
+    return torch.cat([valid.double()[..., None], torch.where(valid[..., None], st, empty)], -1)
 
 
 def _child_logs(prob: np.ndarray, calibration) -> tuple[np.ndarray, np.ndarray]:
@@ -467,7 +485,8 @@ def _heap_search(root: np.ndarray, prob: np.ndarray, tok: np.ndarray, caps: np.n
         kind = 2 if pkind else int(j > 0)
         kept[b].append((d, ranks, -neg, kind))
         if j + 1 < c and ok[b][d - 1][j + 1]:  # the next sibling
-            heapq.heappush(heap, (-(plog + logs[pkind != 0][b][d - 1][j + 1]), b, d, ranks[:-1] + (j + 1,), plog, pkind))
+            sib = plog + logs[pkind != 0][b][d - 1][j + 1]
+            heapq.heappush(heap, (-sib, b, d, ranks[:-1] + (j + 1,), plog, pkind))
         if d < L and ok[b][d][0]:  # the first child
             heapq.heappush(heap, (-(-neg + logs[kind != 0][b][d][0]), b, d + 1, ranks + (0,), -neg, kind))
     a = dict(valid=np.zeros((B, S), bool), token=np.zeros((B, S), np.int64), parent=np.full((B, S), -1, np.int64),

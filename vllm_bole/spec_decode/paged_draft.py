@@ -14,7 +14,7 @@ Per request (``key``: the engine's request id) the drafter keeps the tokens whos
    then ``D - 1`` forwards of one token per request (the previous depth's top-1, at position
    ``len + d - 1``), each giving the next depth's top-``k``; for :meth:`PagedDraftModel.grow_trees`
    then the best-first search over those candidates on the device
-   (:func:`~vllm_bole.spec_decode.best_first.level_search`; on the host it cost 0.6 ms at one
+   (:func:`~vllm_bole.spec_decode.best_first.level_search_packed`; on the host it cost 0.6 ms at one
    request and ~6 ms at 128 on the H200's host), so only the trees cross to the host. On CUDA the
    whole step replays one CUDA graph, captured per batch bucket (:data:`BUCKETS`) in the engine's
    warm-up (on the H200 a catch-up through transformers' eager modules took ~6 ms of host time per
@@ -51,7 +51,8 @@ import numpy as np
 import torch
 
 from vllm_bole.attention.tree_attention import tree_attention
-from vllm_bole.spec_decode.best_first import Slots, best_first_slots, budgets, level_search
+from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, Slots, best_first_slots, budgets, level_search_packed,
+                                              unpack_slots)
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
@@ -65,7 +66,6 @@ PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the step
 WORDS = (MAX_NODES + 31) // 32
-TREE_FIELDS = ("valid", "token", "parent", "depth", "kind", "logrho", "qprob")  # the step's trees, per slot
 
 
 @dataclass
@@ -275,8 +275,8 @@ class PagedDraftModel:
         its K/V lands at chain positions, scratch that the chain overwrites before reading) from
         position ``start``, top-k at the last one into ``out_t`` / ``out_p`` [:, 0]; then ``steps``
         chain steps into [:, 1:]; with the search's buffers then each row's best-first tree
-        (:func:`~vllm_bole.spec_decode.best_first.level_search`: ``root``, ``caps`` draft nodes, depths
-        to ``dep``, ``cal`` factors) into ``tree`` [B, slots, TREE_FIELDS]. Graph-safe: no host syncs,
+        (:func:`~vllm_bole.spec_decode.best_first.level_search_packed`: ``root``, ``caps`` draft nodes, depths
+        to ``dep``, ``cal`` factors) into ``tree`` [B, slots, PACKED_FIELDS]. Graph-safe: no host syncs,
         fixed shapes."""
         B, S = bufs["tok"].shape
         dev = bufs["tok"].device
@@ -291,9 +291,8 @@ class PagedDraftModel:
                         bufs["out_t"][:, 1:], bufs["out_p"][:, 1:])
         if "tree" in bufs:  # the best-first trees over the candidates, each row to its own depth
             cut = torch.arange(steps + 1, device=dev)[None, :, None] >= bufs["dep"][:, None, None]
-            found = level_search(bufs["root"], bufs["out_p"].masked_fill(cut, 0.0), bufs["out_t"], bufs["caps"],
-                                 self.slots, bufs["cal"])
-            bufs["tree"].copy_(torch.stack([getattr(found, f).double() for f in TREE_FIELDS], -1))
+            bufs["tree"].copy_(level_search_packed(bufs["root"], bufs["out_p"].masked_fill(cut, 0.0), bufs["out_t"],
+                                                   bufs["caps"], self.slots, bufs["cal"]))
 
     def _buffers(self, B: int, steps: int, search: bool) -> dict:
         """Inputs and outputs of :meth:`_step` for ``B`` rows, every row padding (:meth:`_pad`); with
@@ -307,10 +306,9 @@ class PagedDraftModel:
                     out_p=torch.zeros(B, steps + 1, K, dtype=torch.float32, device=dev),
                     mask=chain_mask([S] * B, dev), mask1=chain_mask([1] * B, dev))
         if search:
-            bufs.update(root=torch.empty(B, dtype=torch.long, device=dev), dep=torch.empty(B, dtype=torch.long, device=dev),
-                        caps=torch.empty(B, dtype=torch.long, device=dev),
+            bufs.update({k: torch.empty(B, dtype=torch.long, device=dev) for k in ("root", "dep", "caps")},
                         cal=torch.ones(MAX_DEPTH + 1, 3, dtype=torch.float32, device=dev),
-                        tree=torch.zeros(B, self.slots, len(TREE_FIELDS), dtype=torch.float64, device=dev))
+                        tree=torch.zeros(B, self.slots, len(PACKED_FIELDS), dtype=torch.float64, device=dev))
         self._pad(bufs)
         return bufs
 
@@ -421,23 +419,19 @@ class PagedDraftModel:
         D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
         keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D)
         root = np.asarray(torch.as_tensor(roots, dtype=torch.long).flatten())
-        tree = np.zeros((B, self.slots, len(TREE_FIELDS)))  # root-only trees, then the live rows' searches
-        tree[..., TREE_FIELDS.index("parent")] = -1
-        tree[..., TREE_FIELDS.index("logrho")] = -np.inf
-        tree[:, 0] = [dict(valid=1, token=0, parent=-1, depth=0, kind=0, logrho=0.0, qprob=1.0)[f] for f in TREE_FIELDS]
-        tree[:, 0, TREE_FIELDS.index("token")] = root
+        tree = np.zeros((B, self.slots, len(PACKED_FIELDS)))  # root-only trees, then the live rows' searches
+        tree[..., PACKED_FIELDS.index("parent")] = -1
+        tree[..., PACKED_FIELDS.index("logrho")] = -np.inf
+        root_slot = dict(valid=1, token=0, parent=-1, depth=0, kind=0, logrho=0.0, qprob=1.0)
+        tree[:, 0] = [root_slot[f] for f in PACKED_FIELDS]
+        tree[:, 0, PACKED_FIELDS.index("token")] = root
         if live:
             search = dict(root=root[live], dep=np.array([dep[i] for i in live]), caps=caps.numpy()[live],
                           cal=calibration)
             tree[live] = self._live(live, hists, [keys[i] for i in live], D, search)
         if temp:
             self.release(keys)
-        f = {name: tree[..., i] for i, name in enumerate(TREE_FIELDS)}
-        t = torch.from_numpy
-        return Slots(valid=t(f["valid"] > 0), token=t(f["token"].astype(np.int64)), parent=t(f["parent"].astype(np.int64)),
-                     depth=t(f["depth"].astype(np.int64)), logrho=t(f["logrho"].copy()), qprob=t(f["qprob"].astype(np.float32)),
-                     row=torch.full((B, self.slots), -1, dtype=torch.long), kind=t(f["kind"].astype(np.int64)),
-                     nid=torch.arange(self.slots).expand(B, -1).clone())
+        return unpack_slots(torch.from_numpy(tree))
 
     def _prefill(self, live, hists, keys):
         """Every live request's uncached tokens but its last ``depth + 1`` (at least one: the root)
@@ -497,7 +491,7 @@ class PagedDraftModel:
 
     def _live(self, live, hists, keys, D, search: dict | None = None):
         """The live rows' [n, D, K] tokens and probabilities (CPU), or with ``search`` their trees
-        ``[n, slots, TREE_FIELDS]`` (numpy): the eager prefill, then the last catch-up forward, the
+        ``[n, slots, PACKED_FIELDS]`` (numpy): the eager prefill, then the last catch-up forward, the
         chain steps and the search, on CUDA one graph replay per batch bucket."""
         L, start, table = self._prefill(live, hists, keys)
         if self.cuda_graphs:

@@ -34,7 +34,8 @@ __all__ = ["Sampling", "TreeLayer", "commit", "draft_trees", "verify_tree"]
 def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequence[int]], depths: Sequence[int],
                 budget: int, *, max_depth: int, top_k: int | None = None, controller: BudgetController | None = None,
                 kv_lens: Sequence[int] | None = None, keys: Sequence | None = None,
-                calibration: torch.Tensor | None = None, timings: dict | None = None) -> tuple[TreeBatch, Choice | None]:
+                calibration: torch.Tensor | None = None,
+                timings: dict | None = None) -> tuple[TreeBatch, Choice | None]:
     """Best-first trees of at most ``budget`` draft nodes per request from the drafter's per-depth
     candidates (or drafted node by node by a :class:`~vllm_bole.spec_decode.candidates.TreeDrafter`);
     a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the last
