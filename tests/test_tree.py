@@ -196,7 +196,8 @@ def test_pack_unpack_round_trip():
 
     g = torch.Generator().manual_seed(0)
     ts = [torch.randint(-9, 9, (5, 3), generator=g), torch.randint(0, 9, (7,), generator=g).int(), torch.rand(3, 2),
-          torch.zeros(0, 4, dtype=torch.int64), torch.rand(4) > 0.5, torch.randint(0, 9, (3,), generator=g).short()[::2]]
+          torch.zeros(0, 4, dtype=torch.int64), torch.rand(4) > 0.5, torch.randint(0, 9, (3,), generator=g).short()[::2],
+          torch.rand(3, 3).bfloat16()[:, 1], torch.rand(5).half()]
     buf, spans = pack(ts)
     assert buf.dtype == torch.uint8 and all(o % 8 == 0 for o, _ in spans)
     for a, b in zip(ts, unpack(buf, ts, spans)):

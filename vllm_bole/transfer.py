@@ -5,10 +5,12 @@ host stalls until every kernel queued before it has run, and the next launches s
 profile of a tree step showed 24 such copies per step (tree metadata, block tables, draft inputs).
 :func:`upload` stages through pinned memory and copies asynchronously instead (PyTorch's caching
 host allocator keeps the staging block alive until the copy has run); :func:`upload_many` packs
-several tensors into one staging buffer, so a step's tree metadata crosses in one copy.
+several tensors into one staging buffer, allocated pinned, so a step's tree metadata crosses in one
+copy.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["upload", "upload_many"]
@@ -30,20 +32,31 @@ def upload_many(tensors, device) -> list:
     device = torch.device(device)
     if device.type != "cuda":
         return [t if t.device == device else t.to(device) for t in tensors]
-    buf, spans = pack(tensors)
-    return unpack(upload(buf, device), tensors, spans)
+    buf, spans = pack(tensors, pin=True)
+    return unpack(buf.to(device, non_blocking=True), tensors, spans)
 
 
-def pack(tensors) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """(uint8 buffer, (offset, bytes) per tensor): the tensors' bytes, each padded to 8 bytes."""
-    parts, spans, off = [], [], 0
-    for t in tensors:
-        b = t.contiguous().reshape(-1).view(torch.uint8)
-        pad = -b.numel() % 8
-        parts += [b, torch.zeros(pad, dtype=torch.uint8)]
-        spans.append((off, b.numel()))
-        off += b.numel() + pad
-    return torch.cat(parts), spans
+def pack(tensors, pin: bool = False) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """(uint8 buffer, (offset, bytes) per tensor): the host tensors' bytes, each padded to 8 bytes; in
+    pinned memory with ``pin``. Copied through numpy (a third of the host time of torch's per-tensor
+    view, pad and concatenate operations for a step's dozen small tensors)."""
+    arrays = [_bytes(t) for t in tensors]
+    spans, off = [], 0
+    for a in arrays:
+        spans.append((off, a.size))
+        off += a.size + (-a.size % 8)
+    buf = torch.zeros(off, dtype=torch.uint8, pin_memory=pin)
+    flat = buf.numpy()
+    for a, (o, n) in zip(arrays, spans):
+        flat[o: o + n] = a
+    return buf, spans
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's bytes (numpy, flat uint8); 16-bit floats numpy lacks through a torch view."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.contiguous().view(torch.int16)
+    return np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
 
 
 def unpack(buf: torch.Tensor, like, spans) -> list:
