@@ -341,15 +341,13 @@ class TreeRunnerMixin:
         assert spec_md is None, "vllm-bole: the model-side config must not carry vLLM's speculative config"
         self._bole_install_layers()
         self._bole_stats["steps"] += 1
-        step = self._bole_build_step(scheduler_output, num_scheduled_tokens)
+        step, pos, tree_logits = self._bole_build_step(scheduler_output, num_scheduled_tokens)
         self._bole_flush_pending(exclude=set(step.req_ids) if step is not None else set())
         self._bole_step = step
         if step is None:
             return logits_indices, spec_md, max_sampled
         s, T = step.tok_start, step.num_tokens
-        dev = self.positions.device
-        pos = step.prefix_len[step.tree.request_index] + step.tree.depth.long()
-        self.positions[s : s + T] = pos.to(dev, self.positions.dtype)
+        self.positions[s : s + T] = pos
         if getattr(self, "uses_mrope", False):
             # M-RoPE (Qwen3.5, VL models): a decode token's position is the same in every row, the text
             # position plus the request's delta (vLLM's MRotaryEmbedding.get_next_input_positions_tensor)
@@ -358,15 +356,14 @@ class TreeRunnerMixin:
             mrope[:, s : s + T] = (pos + upload(delta, pos.device)[step.tree.request_index]).to(mrope.device, mrope.dtype)
         # placeholders (-1, scheduler padding) must not reach the embedding
         self.input_ids.gpu[s : s + T].clamp_(min=0)
-        qsl = self.query_start_loc.cpu[: step.num_plain + 1].long()
+        qsl = self.query_start_loc.np[: step.num_plain + 1]
         if step.num_plain and int((qsl[1:] - qsl[:-1]).max()) > 1:
             self._bole_stats["prefill_mixed_tree_steps"] += 1
-        logits_indices = upload(torch.cat([qsl[1:] - 1, torch.arange(s, s + T)]), logits_indices.device)
         if self._bole_stats["tree_steps"] < CHECKED_STEPS:
             self._bole_check_slots(step)
         for g in self._bole_attention:
             g.begin(step)
-        return logits_indices, None, max_sampled
+        return tree_logits, None, max_sampled
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         # A tree step is a mixed batch even when every tree is its root alone (one token per request,
@@ -518,15 +515,17 @@ class TreeRunnerMixin:
                     accept_log=list(self._bole_accept_log))
 
     # ------------------------------------------------------------------ tree step
-    def _bole_build_step(self, scheduler_output, num_scheduled_tokens) -> TreeStep | None:
+    def _bole_build_step(self, scheduler_output, num_scheduled_tokens) -> tuple:
         """The trees of the requests vLLM scheduled with drafts: exactly the drafted trees (selected
         and truncated to the scheduled drafts), or placeholders where the drafts are not ours
-        (vLLM's ``-1`` padding of a new request: never accepted)."""
+        (vLLM's ``-1`` padding of a new request: never accepted). Returns (:class:`TreeStep`, the tree
+        tokens' positions [T], the step's logits indices: the plain requests' last tokens and every
+        tree node), all tensors on the device through one copy; ``(None, None, None)`` without trees."""
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
         ib = self.input_batch
         n = ib.num_reqs
         if not self._bole_num_trees:
-            return None
+            return None, None, None
         P = n - self._bole_num_trees  # _may_reorder_batch put the tree requests last
         rows = list(range(P, n))
         drafted, index, flat = self._bole_drafted or (None, {}, [])
@@ -549,19 +548,24 @@ class TreeRunnerMixin:
             from vllm_bole.spec_decode.tree import TreeBatch
 
             tree = TreeBatch.from_parents([[-1]], [[0]]).select([-1] * len(rows), sizes, root_tokens=roots)
-        dev = self.device
         chain = tree.first_child_depth().tolist()
-        host_tree, tree = tree, tree.to(dev)
         prefix_np = ib.num_computed_tokens_cpu[rows].astype(np.int64)
-        # the step's per-request tables in one host-to-device copy
+        # positions prefix + depth, logits at the plain requests' last tokens and at every tree node
+        T, start = tree.num_nodes, int(self.query_start_loc.np[P])
+        pos = prefix_np[np.repeat(np.arange(len(rows)), tree.nodes_per_request.numpy())] + tree.depth.numpy()
+        qsl = self.query_start_loc.np
+        logits = np.concatenate([qsl[1: P + 1] - 1, np.arange(start, start + T)]).astype(np.int64)
+        # the step's trees and per-request tables in one host-to-device copy
         groups = [g.group for g in self._bole_attention]
         host_slots = [ib.block_table[gid].block_table.np[rows, 0] for gid in self._bole_recurrent]
-        prefix, *tables = upload_many(
-            [torch.from_numpy(prefix_np)] + [ib.block_table[g].block_table.cpu[rows] for g in groups]
-            + [torch.from_numpy(s.astype(np.int64)) for s in host_slots], dev)
+        host_tree = tree
+        tree, (pos, logits, prefix, *tables) = host_tree.upload_with(self.device, [
+            torch.from_numpy(pos), torch.from_numpy(logits), torch.from_numpy(prefix_np)]
+            + [ib.block_table[g].block_table.cpu[rows] for g in groups]
+            + [torch.from_numpy(s.astype(np.int64)) for s in host_slots])
         block_tables = dict(zip(groups, tables))
         state_slots = dict(zip(self._bole_recurrent, tables[len(groups):]))
-        return TreeStep(num_plain=P, tok_start=int(self.query_start_loc.cpu[P]), tree=tree, host_tree=host_tree,
+        step = TreeStep(num_plain=P, tok_start=start, tree=tree, host_tree=host_tree,
                         prefix_len=prefix,
                         req_ids=[ib.req_ids[i] for i in rows], rows=rows, block_tables=block_tables,
                         state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain,
@@ -569,6 +573,7 @@ class TreeRunnerMixin:
                         state_slots_host={gid: s.tolist() for gid, s in zip(self._bole_recurrent, host_slots)},
                         host=dict(prefix=prefix_np, tables={g: ib.block_table[g].block_table.np[rows] for g in groups})
                         if self._bole_graphs is not None else {})
+        return step, pos, logits
 
     def _bole_check_slots(self, step: TreeStep) -> None:
         """The KV slots vLLM writes the tree tokens to are the core's tree slots."""

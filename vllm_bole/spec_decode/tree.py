@@ -107,12 +107,17 @@ class TreeBatch:
 
     def to(self, device) -> "TreeBatch":
         """On ``device`` (from the host: every tensor in one copy, ``transfer.upload_many``)."""
+        return self.upload_with(device, [])[0]
+
+    def upload_with(self, device, extra: list) -> tuple["TreeBatch", list]:
+        """This batch and the host tensors ``extra`` on ``device``, every host tensor in one copy."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         tensors = {n: x for n, x in moved.items() if isinstance(x, torch.Tensor)}
         host = [n for n, x in tensors.items() if x.device.type == "cpu"]
         moved.update({n: x.to(device) for n, x in tensors.items() if n not in host})
-        moved.update(zip(host, upload_many([tensors[n] for n in host], device)))
-        return TreeBatch(**moved)
+        up = upload_many([tensors[n] for n in host] + list(extra), device)
+        moved.update(zip(host, up[: len(host)]))
+        return TreeBatch(**moved), up[len(host):]
 
     def root_path(self, r: int, node: int) -> list[int]:
         """Local indices of the path root .. ``node`` of request ``r`` (tests, debugging)."""
