@@ -230,6 +230,11 @@ def test_page_pool():
     pool.set_tokens("a", np.array([1, 2, 3]))
     assert pool.cached("a", np.array([1, 2, 3, 4])) == 3 and pool.cached("a", np.array([1, 9])) == 1
     assert pool.cached("zz", np.array([1])) == 0
+    long = np.arange(200)
+    pool.set_tokens("a", long)  # compared over the last TAIL cached tokens only
+    assert pool.cached("a", np.concatenate([long, [7]])) == 200 and pool.cached("a", long[:150]) == 150
+    assert pool.cached("a", np.where(long == 190, -5, long)) == 190
+    assert pool.cached("a", long[:100]) == 0  # ends before the compared tokens: from scratch
     pool.reserve(["b"], [8])  # b drafted again: a is the least recently used
     assert pool.reserve(["c"], [12]) == [True] and "a" not in pool.entries and "b" in pool.entries  # 3 pages
     t = pool.table(["b", None, "c"], 4)

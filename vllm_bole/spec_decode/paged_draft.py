@@ -90,10 +90,14 @@ def chain_mask(sizes: Sequence[int], device) -> ChainMask:
     return ChainMask(upload(cu, device, torch.int32), upload(words, device), int(n.max()) if n.numel() else 0)
 
 
+TAIL = 64  # the last cached tokens a request's new history is checked against (PagePool.cached)
+
+
 @dataclass
 class _Entry:
     pages: list[int]
-    tokens: np.ndarray  # int64: the tokens whose K/V the pages hold, positions 0 .. len - 1
+    length: int  # tokens whose K/V the pages hold (positions 0 .. length - 1)
+    tail: np.ndarray  # int64: the last <= TAIL of them
     used: int  # clock of the last propose that drafted the request
 
 
@@ -110,13 +114,19 @@ class PagePool:
         self.evictions = 0
 
     def cached(self, key, hist: np.ndarray) -> int:
-        """Length of the common prefix of ``hist`` and the tokens cached for ``key``."""
+        """Length of the common prefix of ``hist`` and the tokens cached for ``key``, compared over the
+        cached tokens' last :data:`TAIL` positions (a request's history only grows, so the tokens
+        before them are not compared again every step; were they ever to differ, the drafts would
+        be worse, never the output: the target verifies every draft). 0 when ``hist`` ends before
+        those positions."""
         e = self.entries.get(key)
         if e is None:
             return 0
-        n = min(len(e.tokens), len(hist))
-        diff = np.flatnonzero(e.tokens[:n] != hist[:n])
-        return int(diff[0]) if diff.size else n
+        n, lo = min(e.length, len(hist)), e.length - len(e.tail)
+        if n < lo:
+            return 0
+        diff = np.flatnonzero(e.tail[: n - lo] != hist[lo:n])
+        return lo + int(diff[0]) if diff.size else n
 
     def reserve(self, keys: Sequence, tokens: Sequence[int]) -> list[bool]:
         """Pages for ``tokens[i]`` positions of ``keys[i]``, evicting the least recently used
@@ -126,7 +136,7 @@ class PagePool:
         victims = sorted((e.used, i, k) for i, (k, e) in enumerate(self.entries.items()) if k not in protect)
         ok = []
         for key, n in zip(keys, tokens):
-            e = self.entries.setdefault(key, _Entry([], np.zeros(0, dtype=np.int64), self.clock))
+            e = self.entries.setdefault(key, _Entry([], 0, np.zeros(0, dtype=np.int64), self.clock))
             e.used = self.clock
             need = -(-int(n) // self.page_size) - len(e.pages)
             while need > len(self.free) and victims:
@@ -141,7 +151,9 @@ class PagePool:
         return ok
 
     def set_tokens(self, key, hist: np.ndarray) -> None:
-        self.entries[key].tokens = hist
+        """``hist`` is what the pages of ``key`` now hold (its last :data:`TAIL` tokens are kept, copied)."""
+        e = self.entries[key]
+        e.length, e.tail = len(hist), np.array(hist[-TAIL:], dtype=np.int64)
 
     def release(self, key) -> None:
         e = self.entries.pop(key, None)
@@ -380,7 +392,7 @@ class PagedDraftModel:
         keys = [("tmp", i) for i in range(B)] if temp else list(keys)
         cap = self.width * self.pool.page_size  # positions a page table reaches
         live = [i for i in range(B) if dep[i] > 0 and 0 < len(histories[i]) <= cap - extra]
-        hists = {i: np.array(histories[i], dtype=np.int64) for i in live}  # a copy: the cache keeps it
+        hists = {i: np.asarray(histories[i]) for i in live}  # views: read during this call only
         got = self.pool.reserve([keys[i] for i in live], [len(hists[i]) + extra for i in live])
         return keys, temp, dep, [i for i, ok in zip(live, got) if ok], hists
 
@@ -448,6 +460,7 @@ class PagedDraftModel:
                 break
             size = np.minimum(L[rows] - start[rows] - S, CHUNK)
             toks = np.concatenate([hists[live[r]][start[r] : start[r] + s] for r, s in zip(rows, size)])
+            toks = toks.astype(np.int64)
             pos = np.concatenate([np.arange(start[r], start[r] + s) for r, s in zip(rows, size)])
             self._forward(upload(torch.from_numpy(toks), dev), upload(torch.from_numpy(pos), dev),
                           upload(torch.from_numpy(start[rows]), dev), table[upload(torch.from_numpy(rows), dev)],
