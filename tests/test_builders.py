@@ -557,6 +557,17 @@ def test_slots_tree_equals_the_validated_build():
     assert got.max_nodes == want.max_nodes and torch.equal(got.draft_prob, s.flat("qprob"))
 
 
+def tie_candidates(g: torch.Generator, it: int) -> Candidates:
+    """Random per-depth candidates of case ``it``: softmax, uniform (ties everywhere), quarters (ties and
+    zero probabilities), heavy-tailed; 1-5 requests, depth 1-8, 1-6 candidates."""
+    B, D, K = (int(torch.randint(1, n, (1,), generator=g)) for n in (6, 9, 7))
+    probs = [torch.rand(B, D, K, generator=g).softmax(-1), torch.full((B, D, K), 1.0 / K),
+             torch.randint(0, 4, (B, D, K), generator=g).float() / 4, torch.rand(B, D, K, generator=g) ** 4][it % 4]
+    probs = probs.sort(-1, descending=True).values
+    tokens = torch.where(probs > 0, torch.randint(0, 100, (B, D, K), generator=g), -1)
+    return Candidates(tokens, torch.where(tokens >= 0, probs, 0.0))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_runtime_best_first_heap_equals_level_wise(seed, monkeypatch):
     """The priority-queue search (small batches) and the level-wise one give the same search state on
@@ -566,12 +577,8 @@ def test_runtime_best_first_heap_equals_level_wise(seed, monkeypatch):
 
     g = torch.Generator().manual_seed(700 + seed)
     for it in range(60):
-        B, D, K = (int(torch.randint(1, n, (1,), generator=g)) for n in (6, 9, 7))
-        probs = [torch.rand(B, D, K, generator=g).softmax(-1), torch.full((B, D, K), 1.0 / K),
-                 torch.randint(0, 4, (B, D, K), generator=g).float() / 4, torch.rand(B, D, K, generator=g) ** 4][it % 4]
-        probs = probs.sort(-1, descending=True).values
-        tokens = torch.where(probs > 0, torch.randint(0, 100, (B, D, K), generator=g), -1)
-        cands = Candidates(tokens, torch.where(tokens >= 0, probs, 0.0))
+        cands = tie_candidates(g, it)
+        B, D, K = cands.tokens.shape
         budget = torch.randint(0, 25, (B,), generator=g) if it % 3 else int(torch.randint(0, 30, (1,), generator=g))
         opts = dict(max_depth=int(torch.randint(1, D + 2, (1,), generator=g)), top_k=[None, 1, 2, 5][it % 4])
         if it % 5 == 0:
@@ -598,17 +605,13 @@ def test_level_search_equals_the_host_search(seed):
 
     g = torch.Generator().manual_seed(900 + seed)
     for it in range(50):
-        B, D, K = (int(torch.randint(1, n, (1,), generator=g)) for n in (6, 9, 7))
-        probs = [torch.rand(B, D, K, generator=g).softmax(-1), torch.full((B, D, K), 1.0 / K),
-                 torch.randint(0, 4, (B, D, K), generator=g).float() / 4, torch.rand(B, D, K, generator=g) ** 4][it % 4]
-        probs = probs.sort(-1, descending=True).values
-        tokens = torch.where(probs > 0, torch.randint(0, 100, (B, D, K), generator=g), -1)
-        probs = torch.where(tokens >= 0, probs, 0.0)
+        cands = tie_candidates(g, it)
+        B = cands.num_requests
         caps = torch.randint(0, 25, (B,), generator=g)
         cal = torch.rand(65, 3, generator=g) * 2 if it % 2 else None
         roots = torch.randint(0, 100, (B,), generator=g)
-        want = best_first_slots(roots, Candidates(tokens, probs), caps, calibration=cal)
-        got = level_search(roots, probs, tokens, caps, int(caps.max()) + 1 + it % 3,
+        want = best_first_slots(roots, cands, caps, calibration=cal)
+        got = level_search(roots, cands.probs, cands.tokens, caps, int(caps.max()) + 1 + it % 3,
                            cal if cal is not None else torch.ones(65, 3))
         S = want.valid.shape[1]
         assert torch.equal(got.valid[:, :S], want.valid) and not got.valid[:, S:].any(), (seed, it)
