@@ -46,6 +46,11 @@
 # 2026-12-03 (fourth session): bench_draft.py needs no vLLM (the machine's own torch + transformers): one run of
 # ~70 s outside any stay; a machine that could not start answered "try again in about 10 min" three times in a
 # row (15 s of budget a call); CHAIN_K=3 gives vLLM's chain one engine; TRAIN_MODELS="nemotron_h draft" skips the heads.
+# 2026-12-03 (fifth session, 711675d): the plan that fit 1394 s of one stay: parts x2 (machine start 89 s),
+# `install` (36 s), `parts train` with .pair/data and TRAIN_MODELS="nemotron_h draft" (272 s), `targets` with
+# E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model vllm_chain/draft_model"
+# (507 s; vLLM's chain still cut after c = 8), `graphs` (236 s), then `targets` with E2E_ONLY="vllm_chain/draft_model
+# ar/none" E2E_SECONDS=410 (198 s). Put vLLM's chain before the trees' budget sweep when both must land in one run.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
