@@ -110,6 +110,11 @@ def test_trees_searched_in_the_step_equal_the_host_search(tiny, graphs, monkeypa
         got = pd.grow_trees(roots, hists, depths, budget, keys=keys, max_depth=5, top_k=top_k)
         assert_same_slots(got, best_first_slots(roots, ref.propose(hists, depths, keys=keys), budget, max_depth=5,
                                                 top_k=top_k))
+    wide, wide_ref = (PagedDraftModel(path, top_k=16, max_len=256, depth=5, max_requests=6, kernels="torch",
+                                      max_budget=255) for _ in range(2))
+    assert not wide.device_search  # 256 slots x 17 candidates > SEARCH_WIDTH: the host searches, same trees
+    assert_same_slots(wide.grow_trees(roots, hists, depths, 30, keys=keys, max_depth=5),
+                      best_first_slots(roots, wide_ref.propose(hists, depths, keys=keys), 30, max_depth=5))
     assert not graphs or sorted(pd._graphs) == [4]  # four live rows (a zero depth, an empty history)
 
 

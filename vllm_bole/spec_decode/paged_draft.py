@@ -66,6 +66,9 @@ PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the step
 WORDS = (MAX_NODES + 31) // 32
+# the device search's candidates per request and level at most, slots x (1 + top_k): its [B, width, 6]
+# float64 intermediates are ~0.2 GB at B = 1024 (the largest bucket) and 4096; beyond it the host searches
+SEARCH_WIDTH = 4096
 
 
 @dataclass
@@ -212,6 +215,8 @@ class PagedDraftModel:
         if not 0 <= int(max_budget) < MAX_NODES:
             raise ValueError(f"max_budget: {max_budget}, need 0 <= max_budget < {MAX_NODES}")
         self.slots = int(max_budget) + 1  # the tree search's slots per request (the root and the drafts)
+        # the search's candidates per request and level; wider searches stay on the host (device memory)
+        self.device_search = self.slots * (1 + self.top_k) <= SEARCH_WIDTH
         self.width = -(-(int(max_len) + self.depth + 1) // page_size)  # page-table entries per request
         try:  # checks the loaded modules
             self.decoder = PagedDecoder(self.model, self.width * page_size)
@@ -338,7 +343,7 @@ class PagedDraftModel:
         its address (seen on the H200: a chain mask reused, a device-side assert)."""
         if B not in self._graphs:
             dev, steps = self.device, self.depth - 1
-            bufs = self._buffers(B, steps, search=True)
+            bufs = self._buffers(B, steps, search=self.device_search)
 
             def run():
                 self._step(bufs, steps, self.width * self.pool.page_size)
@@ -421,11 +426,12 @@ class PagedDraftModel:
         per-depth candidates, as the search's :class:`Slots` (CPU): equal to
         :func:`~vllm_bole.spec_decode.best_first.best_first_slots` of :meth:`propose`, but searched on
         the device inside the step (inside its CUDA graph on CUDA), so only the trees cross to the
-        host. A budget over ``max_budget`` or a ``top_k`` under the drafter's is searched on the host
-        instead. Requests with depth 0, an empty history or no room in the pool get their root alone."""
+        host. A budget over ``max_budget``, a ``top_k`` under the drafter's, or a search wider than
+        :data:`SEARCH_WIDTH` is searched on the host instead. Requests with depth 0, an empty history or no room in the pool get their root alone."""
         B = len(histories)
         caps = budgets(budget, B, "cpu")
-        if min(int(top_k or self.top_k), self.top_k) != self.top_k or int(caps.max()) >= self.slots:
+        if not self.device_search or min(int(top_k or self.top_k), self.top_k) != self.top_k \
+                or int(caps.max()) >= self.slots:
             return best_first_slots(roots, self.propose(histories, depths, keys), caps, max_depth=max_depth,
                                     top_k=top_k, calibration=calibration)
         D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
