@@ -77,12 +77,8 @@ def pick(buckets, requests: int, tokens: int, nodes: int) -> tuple[int, int] | N
 def padding_trees(requests: int, tokens: int, nodes: int) -> dict[str, np.ndarray]:
     """``requests`` star trees of at most ``nodes`` nodes, ``tokens`` in all (each >= 1): parent, depth
     [tokens], sizes [requests], path [tokens, 2], anc_mask [tokens, WORDS] (int32)."""
-    sizes = np.ones(requests, np.int64)
-    extra = tokens - requests
-    for r in range(requests):  # fill the first ones up to ``nodes``
-        add = min(extra, nodes - 1)
-        sizes[r] += add
-        extra -= add
+    # the first ones filled up to ``nodes``
+    sizes = 1 + np.clip(tokens - requests - np.arange(requests) * (nodes - 1), 0, nodes - 1)
     local = np.arange(tokens) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     anc = np.zeros((tokens, WORDS), np.int64)
     anc[:, 0] = 1
