@@ -35,7 +35,8 @@ output token a request of that call saw, first token included), and for ours the
 step's results to the host, which waits for its forward, and the counters), ``forward_ms`` (the
 target forward of a tree step, GPU time), ``prepare_ms`` (input preparation per step, host;
 ``prepare_vllm_ms`` of it vLLM's own), ``step_ms`` (whole engine step; the rest is vLLM's
-scheduler, sampler and output processing), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
+scheduler, sampler and output processing), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
+cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
 ``mode, drafter, budget, batch, dataset, temperature, tokens_per_s, accept_len, tpot_ms``, ...) and
 ``$OUT/controller.json`` (``rows``: ``batch, dataset, controller_tps, best_fixed_tps,
@@ -50,6 +51,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -172,7 +175,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    prepare_vllm_ms=1000 * st.get("prepare_vllm_s", 0.0) / max(st["steps"], 1),
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
-                   branch_by_depth=st.get("branch_by_depth"))
+                   branch_by_depth=st.get("branch_by_depth"), accept_len_by_request=request_spread(st))
         if cell["budget"] == "auto" and st.get("budget_steps"):
             row.update(chosen_nodes_per_step=st["budget_nodes"] / st["budget_steps"],
                        predicted_step_ms=1000 * st["predicted_step_s"] / max(st["observed_steps"], 1),
@@ -184,6 +187,19 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
     else:
         row["accept_len"] = 1.0
     return row
+
+
+def request_spread(stats: dict) -> dict | None:
+    """Tokens per tree step of each request (its accepted nodes + 1, averaged over its tree steps), as
+    p10 / p50 / p90 and min over the cell's requests: an offline cell lasts as long as its slowest
+    request, so its throughput follows the low end, not the mean."""
+    per: dict = {}
+    for rid, _, acc in stats.get("accept_log") or ():
+        per.setdefault(rid, []).append(1 + acc)
+    if not per:
+        return None
+    q = np.quantile([np.mean(v) for v in per.values()], [0.0, 0.1, 0.5, 0.9])
+    return dict(zip(("min", "p10", "p50", "p90"), (round(float(x), 3) for x in q)))
 
 
 def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
