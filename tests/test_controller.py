@@ -93,7 +93,7 @@ def test_choice_is_the_best_throughput_and_the_best_tree(seed):
     for n in range(n_all + 1):
         best = _brute_best_sum(trees, n)
         pairs = torch.tensor([float(sum(kv) + B + n * (kv[0] + 1))])
-        c = cost.prior.seconds(B, torch.tensor([float(B + n)]), pairs, float(sum(kv)))
+        c = cost.prior.seconds(B, torch.tensor([float(B + n)]), pairs, float(sum(kv)))[0]
         tput[n] = (B + best, (B + best) / float(c))
     assert int(ch.budgets.sum()) == ch.total and (ch.budgets <= full.valid.sum(1) - 1).all()
     if ctl.min:  # every request gets its best ``min`` nodes first
@@ -119,7 +119,7 @@ def test_buckets_eps_and_ragged_budgets():
     ctl = BudgetController(cost, buckets=[4, 8, 16, 24, 32, 48, 64], eps=0.5)
     ch = ctl.choose(full.logrho, full.valid, [100] * B)
     assert B + ch.total in (4, 8, 16, 24, 32, 48, 64) or ch.total == int(full.valid.sum()) - B
-    assert ch.predicted_s <= 1.5 * float(cost.prior.seconds(B, torch.tensor([4.0]), torch.tensor([404.0]), 400.0))
+    assert ch.predicted_s <= 1.5 * float(cost.prior.seconds(B, torch.tensor([4.0]), torch.tensor([404.0]), 400.0)[0])
     assert ch.budgets[3] > ch.budgets[0] and 0 < ch.total < int(full.valid.sum()) - B
     with pytest.raises(ValueError, match="min_per_request"):
         BudgetController(cost, min_per_request=-1)

@@ -106,9 +106,8 @@ class StepBudget:
         if self.ctl is None or self.t0 is None:
             return None
         measured, self.t0 = time.perf_counter() - self.t0, None
-        bucket = int(self.ctl.bucket(torch.tensor([tokens]))[0])
-        prior = float(self.ctl.cost.prior.seconds(num_requests, torch.tensor([float(bucket)]),
-                                                  torch.tensor([kv_tokens + tokens]), kv_tokens)[0])
+        bucket = int(self.ctl.bucket([tokens])[0])
+        prior = float(self.ctl.cost.prior.seconds(num_requests, [bucket], [kv_tokens + tokens], kv_tokens)[0])
         self.ctl.cost.observe(bucket, prior, measured)
         st = self.stats
         if self.predicted_s is None:

@@ -116,19 +116,22 @@ class Slots:
         children), so the best-first tree of that budget over the same expansions; slots compacted
         in their breadth-first order."""
         B, S = self.valid.shape
-        keep = torch.from_numpy(_select(_np(self.logrho), _np(self.valid), _np(budgets(budget, B, "cpu")) + 1,
-                                        None)).to(self.valid.device)
-        newpos = keep.long().cumsum(1) - 1
-        src = torch.zeros_like(newpos)
-        kb, km = keep.nonzero(as_tuple=True)
+        valid = _np(self.valid)
+        keep = _select(_np(self.logrho), valid, _np(budgets(budget, B, "cpu")) + 1, None)
+        newpos = keep.cumsum(1) - 1
+        src = np.zeros((B, S), np.int64)
+        kb, km = np.nonzero(keep)
         src[kb, newpos[kb, km]] = km
-        nvalid = torch.arange(S, device=keep.device)[None, :] < keep.sum(1, keepdim=True)
-        par = self.parent.gather(1, src)
-        parent = torch.where(nvalid & (par >= 0), newpos.gather(1, par.clamp(min=0)), torch.full_like(par, -1))
-        fields = {f.name: getattr(self, f.name).gather(1, src) for f in dataclasses.fields(self)
+        nvalid = np.arange(S)[None, :] < keep.sum(1, keepdims=True)
+        rows = np.arange(B)[:, None]
+        par = _np(self.parent)[rows, src]
+        parent = np.where(nvalid & (par >= 0), newpos[rows, np.maximum(par, 0)], -1)
+        fields = {f.name: _np(getattr(self, f.name))[rows, src] for f in dataclasses.fields(self)
                   if f.name not in ("valid", "parent", "logrho")}
-        logrho = torch.where(nvalid, self.logrho.gather(1, src), -math.inf)
-        return Slots(valid=nvalid, parent=parent, logrho=logrho, **fields)
+        logrho = np.where(nvalid, _np(self.logrho)[rows, src], -np.inf)
+        dev = self.valid.device
+        return Slots(**{k: _to(torch.from_numpy(np.ascontiguousarray(v)), dev) for k, v in
+                        dict(fields, valid=nvalid, parent=parent, logrho=logrho).items()})
 
 
 # expand(request [F], slot [F], depth, slots) -> (probs [F, c], tokens [F, c], child-distribution rows [F] or None),

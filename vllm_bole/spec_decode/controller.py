@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["BudgetController", "Choice", "Roofline", "StepCostModel"]
@@ -54,13 +55,13 @@ class Roofline:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0 (got {getattr(self, name)})")
 
-    def seconds(self, num_requests: int, tokens: torch.Tensor, pairs: torch.Tensor, kv_tokens: float) -> torch.Tensor:
+    def seconds(self, num_requests: int, tokens, pairs, kv_tokens: float) -> np.ndarray:
         """Time of one forward over ``tokens`` query tokens (any shape) with ``pairs`` (query,
         context) token pairs, ``num_requests`` requests holding ``kv_tokens`` context tokens."""
-        tokens, pairs = torch.as_tensor(tokens, dtype=torch.float64), torch.as_tensor(pairs, dtype=torch.float64)
+        tokens, pairs = np.asarray(tokens, dtype=np.float64), np.asarray(pairs, dtype=np.float64)
         nbytes = self.weight_bytes + self.kv_bytes_per_token * kv_tokens + 2 * self.state_bytes * num_requests
         flops = 2 * self.params_active * tokens + self.attn_flops_per_pair * pairs
-        return self.overhead_s + torch.maximum(torch.full_like(flops, nbytes / self.bandwidth), flops / self.peak_flops)
+        return self.overhead_s + np.maximum(nbytes / self.bandwidth, flops / self.peak_flops)
 
 
 @dataclass
@@ -73,20 +74,21 @@ class StepCostModel:
     clip: float = 4.0
     ratio: dict = field(default_factory=dict)  # bucket -> measured / prior
 
-    def correction(self, buckets: torch.Tensor) -> torch.Tensor:
+    def correction(self, buckets) -> np.ndarray:
         """``[n]`` ratios for token buckets ``[n]`` (nearest seen bucket; 1 before any measurement)."""
+        buckets = np.asarray(buckets, dtype=np.float64)
         if not self.ratio:
-            return torch.ones(buckets.shape, dtype=torch.float64)
-        seen = torch.tensor(sorted(self.ratio), dtype=torch.float64)
-        vals = torch.tensor([self.ratio[int(b)] for b in seen.long().tolist()], dtype=torch.float64)
-        return vals[(buckets.double()[:, None] - seen[None, :]).abs().argmin(1)]
+            return np.ones(buckets.shape)
+        seen = sorted(self.ratio)
+        vals = np.array([self.ratio[b] for b in seen], dtype=np.float64)
+        return vals[np.abs(buckets[:, None] - np.array(seen, dtype=np.float64)[None, :]).argmin(1)]
 
     def observe(self, bucket: int, predicted_prior_s: float, measured_s: float) -> None:
         """One measured forward of token bucket ``bucket`` whose prior predicted ``predicted_prior_s``."""
         if not (predicted_prior_s > 0 and math.isfinite(measured_s) and measured_s > 0):
             return
         old = self.ratio.get(int(bucket))
-        ref = old if old is not None else float(self.correction(torch.tensor([bucket]))[0])
+        ref = old if old is not None else float(self.correction([bucket])[0])
         r = min(max(measured_s / predicted_prior_s, ref / self.clip), ref * self.clip)
         self.ratio[int(bucket)] = r if old is None else (1 - self.alpha) * old + self.alpha * r
 
@@ -109,7 +111,7 @@ class BudgetController:
         if eps is not None and not eps >= 0:
             raise ValueError(f"eps: must be >= 0 or None (got {eps})")
         self.cost, self.min, self.eps = cost, min_per_request, eps
-        self.buckets = torch.tensor(sorted(set(buckets)), dtype=torch.long) if buckets else None
+        self.buckets = np.array(sorted(set(buckets)), dtype=np.int64) if buckets else None
         self.draft_s = 0.0  # drafting time per step (the engine keeps it current)
         # every ``explore_every``-th choice takes the next larger allowed bucket, so that buckets the
         # prior overrates get measured (a correction is only learnt where steps ran)
@@ -123,55 +125,60 @@ class BudgetController:
             return cap
         return min(cap, max(SEARCH_FLOOR, 2 * self.reach))
 
-    def bucket(self, tokens: torch.Tensor) -> torch.Tensor:
+    def bucket(self, tokens) -> np.ndarray:
         """The padded token count of forwards over ``tokens`` tokens."""
+        tokens = np.asarray(tokens, dtype=np.int64)
         if self.buckets is None:
             return tokens
-        i = torch.searchsorted(self.buckets, tokens).clamp(max=self.buckets.numel() - 1)
-        return torch.where(tokens <= self.buckets[-1], self.buckets[i], tokens)
+        i = np.minimum(np.searchsorted(self.buckets, tokens), self.buckets.size - 1)
+        return np.where(tokens <= self.buckets[-1], self.buckets[i], tokens)
 
     def choose(self, logrho: torch.Tensor, valid: torch.Tensor, kv_lens: Sequence[int]) -> Choice:
         """``logrho`` / ``valid`` ``[B, S]``: every request's tree at its maximum budget (slot 0 the
         root, as :class:`~vllm_bole.spec_decode.best_first.Slots`); ``kv_lens`` [B] committed
-        context lengths. Returns the per-request budgets (module docstring)."""
+        context lengths. Returns the per-request budgets (module docstring). Host work per step, in
+        numpy (a fraction of torch's per-operation cost on these small arrays)."""
         B = logrho.shape[0]
-        kv = torch.as_tensor(kv_lens, dtype=torch.float64).flatten()
-        if kv.numel() != B:
-            raise ValueError(f"kv_lens: {kv.numel()} lengths for {B} requests")
-        lr = torch.where(valid.cpu(), logrho.double().cpu(), -math.inf)[:, 1:]  # the trees may live on the GPU
+        kv = np.asarray(kv_lens, dtype=np.float64).reshape(-1)
+        if kv.size != B:
+            raise ValueError(f"kv_lens: {kv.size} lengths for {B} requests")
+        lr = np.where(_host(valid), _host(logrho).astype(np.float64), -math.inf)[:, 1:]  # the trees may be on the GPU
         # each request's draft nodes by score; the first ``min`` are taken first, then the batch by score
-        key = lr.sort(dim=1, descending=True, stable=True).values
-        rank = torch.arange(key.shape[1])[None, :].expand_as(key)
-        ok = key > -math.inf
-        tier = torch.where(rank < self.min, 0, 1)
-        req = torch.arange(B)[:, None].expand_as(key)
-        flat = ok.reshape(-1).nonzero().squeeze(1)  # row-major: (request, rank) ascending
+        key = np.sort(lr, axis=1)[:, ::-1]
+        rank = np.broadcast_to(np.arange(key.shape[1]), key.shape)
+        tier = np.where(rank < self.min, 0, 1)
+        req = np.broadcast_to(np.arange(B)[:, None], key.shape)
+        flat = np.flatnonzero(key > -math.inf)  # row-major: (request, rank) ascending
         k_tier, k_score, k_req = (x.reshape(-1)[flat] for x in (tier, key, req))
-        g = torch.argsort(-k_score, stable=True)
-        g = g[torch.argsort(k_tier[g], stable=True)]
-        node_req, rho, forced = k_req[g], k_score[g].exp(), int((k_tier == 0).sum())
-        n = torch.arange(node_req.numel() + 1)
-        expected = B + torch.cat([torch.zeros(1, dtype=torch.float64), rho.cumsum(0)])
-        pairs = kv.sum() + B + torch.cat([torch.zeros(1, dtype=torch.float64), (kv[node_req] + 1).cumsum(0)])
+        g = np.argsort(-k_score, kind="stable")
+        g = g[np.argsort(k_tier[g], kind="stable")]
+        node_req, rho, forced = k_req[g], np.exp(k_score[g]), int((k_tier == 0).sum())
+        n = np.arange(node_req.size + 1)
+        expected = B + np.concatenate([[0.0], np.cumsum(rho)])
+        pairs = kv.sum() + B + np.concatenate([[0.0], np.cumsum(kv[node_req] + 1)])
         bucket = self.bucket(B + n)
-        prior = self.cost.prior.seconds(B, bucket.double(), pairs, float(kv.sum()))
+        prior = self.cost.prior.seconds(B, bucket, pairs, float(kv.sum()))
         cost = prior * self.cost.correction(bucket)
         # candidates: the largest total of each bucket (the same cost, more nodes), and N = 0
-        last = torch.ones_like(bucket, dtype=torch.bool)
+        last = np.ones(bucket.shape, dtype=bool)
         last[:-1] = bucket[1:] != bucket[:-1]
-        cand = last | (n == 0)
-        cand &= n >= forced
+        cand = (last | (n == 0)) & (n >= forced)
         if self.eps is not None:
             cand &= cost <= (1 + self.eps) * cost[0]
         if not cand.any():
             cand[forced] = True
         tput = expected / (cost + self.draft_s)
-        best = int(torch.where(cand, tput, -math.inf).argmax())
+        best = int(np.where(cand, tput, -math.inf).argmax())
         self.choices += 1
         if self.explore_every and self.choices % self.explore_every == 0:
-            larger = (cand & (bucket > bucket[best])).nonzero()
-            best = int(larger[0]) if larger.numel() else best
-        budgets = torch.bincount(node_req[:best], minlength=B)
+            larger = np.flatnonzero(cand & (bucket > bucket[best]))
+            best = int(larger[0]) if larger.size else best
+        budgets = np.bincount(node_req[:best], minlength=B).astype(np.int64)
         self.reach = int(budgets.max()) if B else 0
-        return Choice(budgets=budgets, total=best, bucket=int(bucket[best]), predicted_s=float(cost[best]),
-                      prior_s=float(prior[best]), expected_tokens=float(expected[best]))
+        return Choice(budgets=torch.from_numpy(budgets), total=best, bucket=int(bucket[best]),
+                      predicted_s=float(cost[best]), prior_s=float(prior[best]), expected_tokens=float(expected[best]))
+
+
+def _host(x) -> np.ndarray:
+    """A tensor (any device) or array as a host numpy array."""
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
