@@ -25,9 +25,11 @@ One step, as vLLM drives it (``execute_model`` then ``sample_tokens``):
    the next tree step of the request). Output: accepted tokens + bonus, ``-1`` padded, exactly
    what vLLM's rejection sampler returns, so vLLM's bookkeeping and the scheduler's rollback of
    ``num_computed_tokens`` stay right.
-7. ``sample_tokens`` then drafts the next trees (``draft_trees``: best-first from the drafter's
-   per-depth candidates; the ``TreeBatch`` is kept and selected from at the next step) and
-   ``take_draft_token_ids`` hands their flat tokens to the scheduler.
+7. ``sample_tokens`` then launches the next trees' drafting (``draft_trees_async``: best-first from
+   the drafter's per-depth candidates; the paged draft's step, search included, runs on the device
+   while vLLM's scheduler processes this step's output) and ``take_draft_token_ids`` reads them and
+   hands their flat tokens to the scheduler (the ``TreeBatch`` is kept and selected from at the
+   next step).
 
 The model side (layers, KV cache specs, metadata builders) is built without vLLM's speculative
 config (see :mod:`vllm_bole.adapter.worker`): one recurrent state slot per request, plain conv
@@ -55,7 +57,7 @@ from vllm_bole.spec_decode.draft_model import HFDraftModel
 from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.paged_draft import PagedDraftModel
 from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
-from vllm_bole.spec_decode.step import commit, draft_trees, verify_tree
+from vllm_bole.spec_decode.step import commit, draft_trees_async, verify_tree
 from vllm_bole.transfer import upload, upload_many
 
 logger = logging.getLogger("vllm_bole")
@@ -123,6 +125,8 @@ class TreeRunnerMixin:
         self._bole_step: TreeStep | None = None
         self._bole_drafted = None  # (TreeBatch of the last drafts, {req id: row}, flat drafts per row)
         self._bole_drafts = None  # DraftTokenIds for the scheduler
+        self._bole_pending_draft = None  # (read the launched drafts, request ids): read when vLLM takes them
+        self._bole_draft_launch_s = 0.0
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
@@ -278,6 +282,7 @@ class TreeRunnerMixin:
         # preempted requests come back as resumed ones (recomputed from scratch; their pending path, if
         # any, was flushed into the freed slot at the step after the preemption, before any reuse of it
         # could read it: a reused slot starts without initial state)
+        self._bole_finish_draft()  # drafts vLLM did not take (none expected): read before anything changes
         resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
         self._bole_stats["resumed_requests"] += len(resumed)
         out = super()._update_states(scheduler_output)
@@ -478,18 +483,11 @@ class TreeRunnerMixin:
         if state is not None:
             t0 = time.perf_counter()
             self._bole_propose(state.sample_hidden_states)
-            dt = time.perf_counter() - t0
-            self._bole_stats["draft_s"] += dt
-            self._bole_metrics.observe("vllm:bole_draft_seconds", dt)
-            if self._bole_budget is not None:
-                self._bole_budget.drafted(dt)
-            pool = getattr(self._bole_drafter, "pool", None)
-            if pool is not None:
-                self._bole_metrics.set("vllm:bole_draft_evictions", pool.evictions)
-                self._bole_metrics.set("vllm:bole_draft_pages_used", pool.num_pages - 1 - len(pool.free))
+            self._bole_draft_launch_s = time.perf_counter() - t0
         return out
 
     def take_draft_token_ids(self):
+        self._bole_finish_draft()
         drafts, self._bole_drafts = self._bole_drafts, None
         return drafts
 
@@ -613,7 +611,7 @@ class TreeRunnerMixin:
         n = ib.num_reqs
         rows, self._bole_hidden_rows = self._bole_hidden_rows, None
         if n == 0:
-            self._bole_drafts = self._bole_drafted = None
+            self._bole_drafts = self._bole_drafted = self._bole_pending_draft = None
             return
         if isinstance(self._bole_drafter, HeadDrafter):  # a step without trees: one logits row per request
             self._bole_drafter.condition(hidden[rows if rows is not None else slice(0, n)])
@@ -634,16 +632,36 @@ class TreeRunnerMixin:
             depths.append(max(min(cfg.depth, self.max_model_len - num - 1), 0))
         budget = self._bole_budget
         ctl, cap = budget and budget.controller(self), cfg.fixed_budget or cfg.num_speculative_tokens
-        tree, choice = draft_trees(self._bole_drafter, roots, hists, depths, ctl.search_budget(cap) if ctl else cap,
+        finish = draft_trees_async(self._bole_drafter, roots, hists, depths, ctl.search_budget(cap) if ctl else cap,
                                    max_depth=cfg.depth, top_k=cfg.top_k, controller=ctl,
                                    kv_lens=[len(h) for h in hists], keys=req_ids,
                                    calibration=self._bole_calibration.factors() if cfg.calibrate else None,
                                    timings=self._bole_stats)
+        self._bole_pending_draft = (finish, req_ids)
+
+    def _bole_finish_draft(self) -> None:
+        """The drafts :meth:`_bole_propose` launched, read (the paged draft's step ran on the device
+        while vLLM's scheduler processed the step's output) and handed over as vLLM's
+        ``DraftTokenIds``; the step's drafting time (launch + read) into the counters."""
+        if self._bole_pending_draft is None:
+            return
+        (finish, req_ids), self._bole_pending_draft = self._bole_pending_draft, None
+        t0 = time.perf_counter()
+        tree, choice = finish()
         if choice is not None:
-            budget.chosen(choice)
+            self._bole_budget.chosen(choice)
             self._bole_metrics.observe("vllm:bole_budget_nodes", choice.total)
         flat = tree.draft_token_ids()
         self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, flat)
         from vllm.v1.outputs import DraftTokenIds
 
         self._bole_drafts = DraftTokenIds(req_ids, flat)
+        dt = self._bole_draft_launch_s + time.perf_counter() - t0
+        self._bole_stats["draft_s"] += dt
+        self._bole_metrics.observe("vllm:bole_draft_seconds", dt)
+        if self._bole_budget is not None:
+            self._bole_budget.drafted(dt)
+        pool = getattr(self._bole_drafter, "pool", None)
+        if pool is not None:
+            self._bole_metrics.set("vllm:bole_draft_evictions", pool.evictions)
+            self._bole_metrics.set("vllm:bole_draft_pages_used", pool.num_pages - 1 - len(pool.free))

@@ -43,7 +43,7 @@ that step (its tree is its root alone: nothing lost but speed).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import logging
 
@@ -410,7 +410,7 @@ class PagedDraftModel:
         out = Candidates.empty(len(histories), D, self.top_k)
         keys, temp, dep, live, hists = self._admit(histories, depths, keys, D)
         if live:
-            toks, probs = self._live(live, hists, [keys[i] for i in live], D)
+            toks, probs = self._live(live, hists, [keys[i] for i in live], D)()
             cut = torch.arange(D)[None, :] >= torch.tensor([dep[i] for i in live])[:, None]
             idx = torch.tensor(live)
             out.tokens[idx] = toks.masked_fill(cut[..., None], -1)
@@ -419,21 +419,30 @@ class PagedDraftModel:
             self.release(keys)
         return out
 
+    def grow_trees(self, roots, histories: Sequence, depths: Sequence[int], budget, **options) -> Slots:
+        """:meth:`grow_trees_async`, waited for."""
+        return self.grow_trees_async(roots, histories, depths, budget, **options)()
+
     @torch.inference_mode()
-    def grow_trees(self, roots, histories: Sequence, depths: Sequence[int], budget, *, keys: Sequence | None = None,
-                   max_depth: int, top_k: int | None = None, calibration: torch.Tensor | None = None) -> Slots:
+    def grow_trees_async(self, roots, histories: Sequence, depths: Sequence[int], budget, *,
+                         keys: Sequence | None = None, max_depth: int, top_k: int | None = None,
+                         calibration: torch.Tensor | None = None) -> Callable[[], Slots]:
         """The best-first trees of ``budget`` draft nodes (int or [B]) per request over the draft's
-        per-depth candidates, as the search's :class:`Slots` (CPU): equal to
+        per-depth candidates, as the search's :class:`Slots` (CPU), returned by the callable this
+        returns: the step is launched now and read when it is called (on CUDA the host does other
+        work while the step runs; the runner calls it when vLLM asks for the drafts). Equal to
         :func:`~vllm_bole.spec_decode.best_first.best_first_slots` of :meth:`propose`, but searched on
         the device inside the step (inside its CUDA graph on CUDA), so only the trees cross to the
         host. A budget over ``max_budget``, a ``top_k`` under the drafter's, or a search wider than
-        :data:`SEARCH_WIDTH` is searched on the host instead. Requests with depth 0, an empty history or no room in the pool get their root alone."""
+        :data:`SEARCH_WIDTH` is searched on the host instead (at once). Requests with depth 0, an
+        empty history or no room in the pool get their root alone."""
         B = len(histories)
         caps = budgets(budget, B, "cpu")
         if not self.device_search or min(int(top_k or self.top_k), self.top_k) != self.top_k \
                 or int(caps.max()) >= self.slots:
-            return best_first_slots(roots, self.propose(histories, depths, keys), caps, max_depth=max_depth,
-                                    top_k=top_k, calibration=calibration)
+            found = best_first_slots(roots, self.propose(histories, depths, keys), caps, max_depth=max_depth,
+                                     top_k=top_k, calibration=calibration)
+            return lambda: found
         D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
         keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D)
         root = np.asarray(torch.as_tensor(roots, dtype=torch.long).flatten())
@@ -443,13 +452,20 @@ class PagedDraftModel:
         root_slot = dict(valid=1, token=0, parent=-1, depth=0, kind=0, logrho=0.0, qprob=1.0)
         tree[:, 0] = [root_slot[f] for f in PACKED_FIELDS]
         tree[:, 0, PACKED_FIELDS.index("token")] = root
+        fetch = None
         if live:
             search = dict(root=root[live], dep=np.array([dep[i] for i in live]), caps=caps.numpy()[live],
                           cal=calibration)
-            tree[live] = self._live(live, hists, [keys[i] for i in live], D, search)
-        if temp:
-            self.release(keys)
-        return unpack_slots(torch.from_numpy(tree))
+            fetch = self._live(live, hists, [keys[i] for i in live], D, search)
+
+        def finish() -> Slots:
+            if fetch is not None:
+                tree[live] = fetch()
+            if temp:  # the pages go back once the step that used them is read
+                self.release(keys)
+            return unpack_slots(torch.from_numpy(tree))
+
+        return finish
 
     def _prefill(self, live, hists, keys):
         """Every live request's uncached tokens but its last ``depth + 1`` (at least one: the root)
@@ -508,26 +524,38 @@ class PagedDraftModel:
         bufs = self._eager_step(live, hists, L, start, table, 0)
         return L, table, bufs["out_t"][:, 0], bufs["out_p"][:, 0]
 
-    def _live(self, live, hists, keys, D, search: dict | None = None):
-        """The live rows' [n, D, K] tokens and probabilities (CPU), or with ``search`` their trees
-        ``[n, slots, PACKED_FIELDS]`` (numpy): the eager prefill, then the last catch-up forward, the
-        chain steps and the search, on CUDA one graph replay per batch bucket."""
+    def _live(self, live, hists, keys, D, search: dict | None = None) -> Callable:
+        """Launch the live rows' step: the eager prefill, then the last catch-up forward, the chain
+        steps and the search, on CUDA one graph replay per batch bucket. Returns the callable that
+        reads its results: [n, D, K] tokens and probabilities (CPU), or with ``search`` the trees
+        ``[n, slots, PACKED_FIELDS]`` (numpy)."""
         L, start, table = self._prefill(live, hists, keys)
         if self.cuda_graphs:
             try:
                 return self._replay(live, hists, L, start, table, D, search)
             except RuntimeError as e:
                 self._graphs_failed(e)
-        return self._read(self._eager_step(live, hists, L, start, table, D - 1, search), len(live), D, search)
+        got = self._read(self._eager_step(live, hists, L, start, table, D - 1, search), len(live), D, search)()
+        return lambda: got
 
     @staticmethod
-    def _read(bufs: dict, n: int, D: int, search: dict | None):
-        """The first ``n`` rows' results on the host (the step's one synchronisation)."""
+    def _read(bufs: dict, n: int, D: int, search: dict | None) -> Callable:
+        """The first ``n`` rows' results, copied to the host behind the step (on CUDA into pinned memory
+        without waiting: the callable returned waits for the copy, the step's one synchronisation)."""
         if search:
-            return bufs["tree"][:n].cpu().numpy()
-        return bufs["out_t"][:n, :D].cpu(), bufs["out_p"][:n, :D].cpu()
+            out = bufs["tree"][:n]
+            if out.device.type != "cuda":
+                got = out.numpy().copy()  # the bucket's buffers are overwritten by its next replay
+                return lambda: got
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return lambda: (done.synchronize(), host.numpy())[1]
+        toks, probs = (bufs[k][:n, :D].to("cpu", copy=True) for k in ("out_t", "out_p"))
+        return lambda: (toks, probs)
 
-    def _replay(self, live, hists, L, start, table, D, search: dict | None = None):
+    def _replay(self, live, hists, L, start, table, D, search: dict | None = None) -> Callable:
         """The step through the captured graphs (buckets of at most the largest one), results as
         :meth:`_live`'s."""
         out = []
@@ -540,5 +568,5 @@ class PagedDraftModel:
             graph.replay()
             out.append(self._read(bufs, e - s, D, search))
         if search:
-            return np.concatenate(out)
-        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+            return lambda: np.concatenate([get() for get in out])
+        return lambda: tuple(torch.cat(x) for x in zip(*(get() for get in out)))

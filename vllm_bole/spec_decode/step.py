@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -28,41 +28,67 @@ from vllm_bole.spec_decode.controller import BudgetController, Choice
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.spec_decode.verification import VerificationResult, verify_deterministic, verify_greedy
 
-__all__ = ["Sampling", "TreeLayer", "commit", "draft_trees", "verify_tree"]
+__all__ = ["Sampling", "TreeLayer", "commit", "draft_trees", "draft_trees_async", "verify_tree"]
 
 
 def draft_trees(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequence[int]], depths: Sequence[int],
-                budget: int, *, max_depth: int, top_k: int | None = None, controller: BudgetController | None = None,
-                kv_lens: Sequence[int] | None = None, keys: Sequence | None = None,
-                calibration: torch.Tensor | None = None,
-                timings: dict | None = None) -> tuple[TreeBatch, Choice | None]:
+                budget: int, **options) -> tuple[TreeBatch, Choice | None]:
+    """:func:`draft_trees_async`, waited for."""
+    return draft_trees_async(drafter, roots, histories, depths, budget, **options)()
+
+
+def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequence[Sequence[int]],
+                      depths: Sequence[int], budget: int, *, max_depth: int, top_k: int | None = None,
+                      controller: BudgetController | None = None, kv_lens: Sequence[int] | None = None,
+                      keys: Sequence | None = None, calibration: torch.Tensor | None = None,
+                      timings: dict | None = None) -> Callable[[], tuple[TreeBatch, Choice | None]]:
     """Best-first trees of at most ``budget`` draft nodes per request from the drafter's per-depth
     candidates (or drafted node by node by a :class:`~vllm_bole.spec_decode.candidates.TreeDrafter`);
     a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the last
     committed tokens. With a ``controller`` the trees grown at ``budget`` are cut to the
-    budgets it chooses for the batch (``kv_lens`` [B]: the requests' context lengths); returns the
-    trees and that choice (None without a controller). ``keys`` [B] identify the requests to a
+    budgets it chooses for the batch (``kv_lens`` [B]: the requests' context lengths). Returns a
+    callable that returns the trees and that choice (None without a controller): a drafter with
+    ``grow_trees_async`` (the paged draft) launches its step now and is read then, so the caller
+    can do other host work while the step runs on the device. ``keys`` [B] identify the requests to a
     drafter that keeps per-request state across steps (the paged draft model). ``calibration``:
     the builder's per (depth, kind) factors (:class:`~vllm_bole.spec_decode.calibration.Calibration`).
     The trees carry the drafter's probability of every node (``draft_prob``). ``timings``: a dict to
-    which ``propose_s`` (the drafter's own seconds; the rest is building the trees) is added."""
+    which ``propose_s`` (the drafter's own seconds, launch and wait; the rest is building the trees)
+    is added."""
     opts = dict(max_depth=max_depth, top_k=top_k, calibration=calibration)
     t0 = time.perf_counter()
     # with a controller: one search at ``budget``, cut to the chosen budgets (``Slots.prune``: the
     # best-first trees of those budgets over the same expansions)
-    if isinstance(drafter, TreeDrafter):  # drafted node by node
+    if hasattr(drafter, "grow_trees_async"):
+        pending = drafter.grow_trees_async(roots, histories, depths, budget, keys=keys, **opts)
+    elif isinstance(drafter, TreeDrafter):  # drafted node by node
         full = drafter.grow_trees(roots, histories, depths, budget, keys=keys, **opts)
-        _add(timings, t0)
-        if controller is None:
-            return full.tree(), None
+        pending = lambda: full  # noqa: E731
     else:
         cands = drafter.propose(histories, depths, keys=keys)
         _add(timings, t0)
         if controller is None:
-            return best_first_tree(roots, cands, budget, **opts), None
+            tree = best_first_tree(roots, cands, budget, **opts)
+            return lambda: (tree, None)
         full = best_first_slots(roots, cands, budget, **opts)
-    choice = controller.choose(full.logrho, full.valid, kv_lens)
-    return full.prune(choice.budgets).tree(), choice
+        return _finish(lambda: full, controller, kv_lens, None)
+    _add(timings, t0)
+    return _finish(pending, controller, kv_lens, timings)
+
+
+def _finish(pending: Callable, controller: BudgetController | None, kv_lens, timings: dict | None) -> Callable:
+    """The rest of :func:`draft_trees_async` once the search state is read (``pending()``, timed as the
+    drafter's): the trees, cut to the controller's choice."""
+    def finish() -> tuple[TreeBatch, Choice | None]:
+        t0 = time.perf_counter()
+        full = pending()
+        _add(timings, t0)
+        if controller is None:
+            return full.tree(), None
+        choice = controller.choose(full.logrho, full.valid, kv_lens)
+        return full.prune(choice.budgets).tree(), choice
+
+    return finish
 
 
 def _add(timings: dict | None, t0: float) -> None:
