@@ -9,6 +9,7 @@ import torch
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import HFDraftModel
 from vllm_bole.spec_decode.paged_draft import CHUNK, PagedDraftModel, PagePool, chain_mask
+from vllm_bole.spec_decode.step import draft_trees
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.testing.tiny_models import build_tiny_model
 
@@ -316,6 +317,8 @@ def test_tree_drafting_equals_transformers(tiny, kernels):
         a, b = got.tree(), want.tree()
         assert torch.equal(a.cu_nodes, b.cu_nodes) and torch.equal(a.token_ids, b.token_ids)
         assert torch.equal(a.parent, b.parent) and torch.allclose(a.draft_prob, b.draft_prob, atol=TOL)
+        via, _ = draft_trees(pd, roots, hists, depths, budget, max_depth=4, calibration=f if step else None)
+        assert torch.equal(via.token_ids, a.token_ids) and torch.equal(via.parent, a.parent)  # the runner's entry
         cut = torch.tensor([2, 1, 3, 0, 0])
         assert torch.equal(got.prune(cut).tree().token_ids, want.prune(cut).tree().token_ids)
         for r, h in enumerate(hists):  # accept the first child chain's first node (when any) and a bonus

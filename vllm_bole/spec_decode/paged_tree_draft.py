@@ -56,6 +56,12 @@ class PagedTreeDraftModel(PagedDraftModel):
         return f"paged tree, {self.beam} frontier nodes per depth ({self.pool.num_pages} pages of " \
                f"{self.pool.page_size}, eager)"
 
+    def grow_trees_async(self, *args, **kwargs):
+        """:meth:`grow_trees` now (node by node: each depth's forward waits for the previous depth's
+        search), its result returned by the callable (the interface of the per-depth drafter's)."""
+        found = self.grow_trees(*args, **kwargs)
+        return lambda: found
+
     @torch.inference_mode()
     def grow_trees(self, roots, histories: Sequence, depths: Sequence[int], budget, *, keys: Sequence | None = None,
                    max_depth: int, top_k: int | None = None, calibration: torch.Tensor | None = None) -> Slots:
