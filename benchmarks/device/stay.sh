@@ -51,6 +51,7 @@
 # E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model vllm_chain/draft_model"
 # (507 s; vLLM's chain still cut after c = 8), `graphs` (236 s), then `targets` with E2E_ONLY="vllm_chain/draft_model
 # ar/none" E2E_SECONDS=410 (198 s). Put vLLM's chain before the trees' budget sweep when both must land in one run.
+# Next stay: `install draftasync` (the deferred read of the drafts, ~20 s) before anything in vLLM.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -100,6 +101,12 @@ bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whol
 stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against transformers (no vLLM needed)
     timeout 240 python3 benchmarks/bench_draft.py > "$OUT/bench_draft.log" 2>&1
     tail -20 "$OUT/bench_draft.log" | cut -c1-200
+}
+
+stage_draftasync() {  # the runner's drafting path on CUDA outside vLLM (needs /tmp/tiny): trees read behind the step
+    timeout 120 python3 benchmarks/device/check_draft_async.py /tmp/tiny/llama > "$OUT/draft_async.log" 2>&1
+    tail -8 "$OUT/draft_async.log" | cut -c1-200
+    grep -q '"equal": true' "$OUT/draft_async.json"
 }
 
 stage_smoke() {  # the tree step and the paged draft (CUDA graphs) on tiny fp32 checkpoints: no training needed
