@@ -617,3 +617,27 @@ def test_level_search_equals_the_host_search(seed):
         assert torch.equal(got.valid[:, :S], want.valid) and not got.valid[:, S:].any(), (seed, it)
         for f in ("token", "parent", "depth", "logrho", "qprob", "kind"):
             assert torch.equal(getattr(got, f)[:, :S][want.valid], getattr(want, f)[want.valid]), (seed, it, f)
+
+
+def test_level_search_builds_no_tensor_from_host_data():
+    """The paged draft runs ``level_search_packed`` inside a CUDA graph capture, which refuses host-to-device
+    copies: the search must not build a tensor from Python data (``torch.tensor([...], device=...)``,
+    dispatched as ``lift_fresh``; the CPU tests cannot see the capture itself). 0ea3e7c built two."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_bole.spec_decode.best_first import level_search_packed, root_only_packed
+
+    class Seen(TorchDispatchMode):
+        ops: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cands = tie_candidates(torch.Generator().manual_seed(5), 0)
+    B = cands.num_requests
+    roots, caps, cal = torch.arange(B), torch.full((B,), 6), torch.ones(65, 3)
+    with Seen() as seen:
+        level_search_packed(roots, cands.probs, cands.tokens, caps, 8, cal)
+        root_only_packed(roots, 8)
+    assert seen.ops and not {op for op in seen.ops if op.startswith("lift_fresh")}, seen.ops

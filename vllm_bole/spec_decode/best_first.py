@@ -52,7 +52,7 @@ from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
 
 __all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search", "level_search_packed",
-           "unpack_slots"]
+           "root_only_packed", "unpack_slots"]
 # per-depth candidates: the priority-queue search up to this many slots in the batch (B * (largest
 # budget + 1)), the level-wise numpy search above. best_first_tree, depth 6, 16 candidates, budget 16,
 # on a 2-core Xeon: 0.59 against 0.82 ms at 1 request, 0.99 against 1.14 ms at 8; equal near 270
@@ -360,8 +360,28 @@ def best_first_slots(
 
 
 # the packed search state of :func:`level_search_packed`, one float64 per field and slot (exact: tokens and
-# slots are small integers, qprob a float32)
+# slots are small integers, qprob a float32), and its empty slot and root slot (the root's token: the request's)
 PACKED_FIELDS = ("valid", "token", "parent", "depth", "kind", "logrho", "qprob")
+EMPTY_SLOT = dict(valid=0.0, token=0.0, parent=-1.0, depth=0.0, kind=0.0, logrho=-math.inf, qprob=0.0)
+ROOT_SLOT = dict(EMPTY_SLOT, valid=1.0, logrho=0.0, qprob=1.0)
+
+
+def root_only_packed(root: torch.Tensor, slots: int) -> torch.Tensor:
+    """``[B, slots, PACKED_FIELDS]`` float64 on ``root``'s device: every request's tree its root alone
+    (``root`` [B] its token). No host-to-device copy, so it runs inside a CUDA graph capture."""
+    first = (torch.arange(int(slots), device=root.device) == 0)[:, None]
+    out = torch.where(first, _slot(ROOT_SLOT, root.device), _slot(EMPTY_SLOT, root.device)).repeat(root.shape[0], 1, 1)
+    out[:, 0, PACKED_FIELDS.index("token")] = root.double()
+    return out
+
+
+def _slot(values: dict, device) -> torch.Tensor:
+    """``[PACKED_FIELDS]`` float64 of ``values``, by scalar fills (a tensor built from host data would be
+    a host-to-device copy, which a CUDA graph capture refuses)."""
+    out = torch.empty(len(PACKED_FIELDS), dtype=torch.float64, device=device)
+    for i, name in enumerate(PACKED_FIELDS):
+        out[i].fill_(values[name])
+    return out
 
 
 def level_search(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tensor, caps: torch.Tensor, slots: int,
@@ -403,10 +423,8 @@ def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tenso
         scaled = torch.minimum(vals * f[None], torch.ones((), device=dev)).cummin(-1).values
         logs.append(torch.where(vals > 0, scaled, vals).double().log())
     ar = torch.arange(S, device=dev)
-    empty = torch.tensor([0.0, -1.0, 0.0, 0.0, -math.inf, 0.0], dtype=torch.float64, device=dev)
-    st = torch.where((ar == 0)[None, :, None], torch.stack(torch.broadcast_tensors(
-        root.double()[:, None], *(torch.tensor([-1.0, 0.0, 0.0, 0.0, 1.0], dtype=torch.float64, device=dev)
-                                  [None, :, None].unbind(1))), -1), empty)  # [B, S, 6]: the roots, then empty
+    st = root_only_packed(root, S)[..., 1:]  # [B, S, 6]: the fields after "valid" (valid: the slots < count)
+    empty = _slot(EMPTY_SLOT, dev)[1:]
     count = torch.ones((B, 1), dtype=torch.long, device=dev)
     keep_n = (caps.long() + 1)[:, None]
     pslot = ar.double()[None, :, None]

@@ -52,7 +52,7 @@ import torch
 
 from vllm_bole.attention.tree_attention import tree_attention
 from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, Slots, best_first_slots, budgets, level_search_packed,
-                                              unpack_slots)
+                                              root_only_packed, unpack_slots)
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
@@ -445,13 +445,9 @@ class PagedDraftModel:
             return lambda: found
         D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
         keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D)
-        root = np.asarray(torch.as_tensor(roots, dtype=torch.long).flatten())
-        tree = np.zeros((B, self.slots, len(PACKED_FIELDS)))  # root-only trees, then the live rows' searches
-        tree[..., PACKED_FIELDS.index("parent")] = -1
-        tree[..., PACKED_FIELDS.index("logrho")] = -np.inf
-        root_slot = dict(valid=1, token=0, parent=-1, depth=0, kind=0, logrho=0.0, qprob=1.0)
-        tree[:, 0] = [root_slot[f] for f in PACKED_FIELDS]
-        tree[:, 0, PACKED_FIELDS.index("token")] = root
+        root = torch.as_tensor(roots, dtype=torch.long).flatten()
+        tree = root_only_packed(root, self.slots).numpy()  # root-only trees, then the live rows' searches
+        root = root.numpy()
         fetch = None
         if live:
             search = dict(root=root[live], dep=np.array([dep[i] for i in live]), caps=caps.numpy()[live],
