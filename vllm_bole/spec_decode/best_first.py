@@ -209,6 +209,16 @@ def _to(t: torch.Tensor, device) -> torch.Tensor:
     return t if torch.device(device).type == "cpu" else t.to(device)
 
 
+def _roots_state(root: np.ndarray, S: int) -> dict:
+    """:func:`grow`'s numpy search state of ``S`` slots per request holding the roots (``root`` [B]) alone."""
+    B = root.shape[0]
+    a = dict(valid=np.zeros((B, S), bool), token=np.zeros((B, S), np.int64), parent=np.full((B, S), -1, np.int64),
+             depth=np.zeros((B, S), np.int64), logrho=np.full((B, S), -np.inf), qprob=np.ones((B, S), np.float32),
+             row=np.full((B, S), -1, np.int64), nid=np.zeros((B, S), np.int64), kind=np.zeros((B, S), np.int64))
+    a["valid"][:, 0], a["token"][:, 0], a["logrho"][:, 0] = True, root, 0.0
+    return a
+
+
 def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int, *,
          total_budget: int | None = None, beam: int | None = None, calibration: torch.Tensor | None = None) -> Slots:
     """Level-wise exact best-first search (module docstring). ``root [B]`` root tokens, ``caps
@@ -227,12 +237,7 @@ def grow(root: torch.Tensor, expand: Expand, caps: torch.Tensor, max_depth: int,
     caps_np = _np(caps).astype(np.int64)
     S = int(caps_np.max()) + 1
     cal = _np(calibration).astype(np.float32) if calibration is not None else None
-    a = dict(valid=np.zeros((B, S), bool), token=np.zeros((B, S), np.int64), parent=np.full((B, S), -1, np.int64),
-             depth=np.zeros((B, S), np.int64), logrho=np.full((B, S), -np.inf), qprob=np.ones((B, S), np.float32),
-             row=np.full((B, S), -1, np.int64), nid=np.zeros((B, S), np.int64), kind=np.zeros((B, S), np.int64))
-    a["valid"][:, 0] = True
-    a["token"][:, 0] = _np(root)
-    a["logrho"][:, 0] = 0.0
+    a = _roots_state(_np(root), S)
     next_id = 1
     slots = caps_np + 1
     ar = np.arange(S)[None, :]
@@ -510,10 +515,7 @@ def _heap_search(root: np.ndarray, prob: np.ndarray, tok: np.ndarray, caps: np.n
             heapq.heappush(heap, (-sib, b, d, ranks[:-1] + (j + 1,), plog, pkind))
         if d < L and ok[b][d][0]:  # the first child
             heapq.heappush(heap, (-(-neg + logs[kind != 0][b][d][0]), b, d + 1, ranks + (0,), -neg, kind))
-    a = dict(valid=np.zeros((B, S), bool), token=np.zeros((B, S), np.int64), parent=np.full((B, S), -1, np.int64),
-             depth=np.zeros((B, S), np.int64), logrho=np.full((B, S), -np.inf), qprob=np.ones((B, S), np.float32),
-             row=np.full((B, S), -1, np.int64), nid=np.zeros((B, S), np.int64), kind=np.zeros((B, S), np.int64))
-    a["valid"][:, 0], a["token"][:, 0], a["logrho"][:, 0] = True, root, 0.0
+    a = _roots_state(root, S)
     for b in range(B):
         nodes = sorted(kept[b])  # breadth-first: depth, then ranks
         slot = {(): 0}
