@@ -126,7 +126,7 @@ def _eager_graph(self, B):
             self.replay = run
 
     if B not in self._graphs:
-        bufs = self._buffers(B, self.depth - 1, search=True)
+        bufs = self._buffers(B, self.depth - 1, search=self.device_search)
         self._graphs[B] = (EagerGraph(lambda: self._step(bufs, self.depth - 1, self.width * self.pool.page_size)), bufs)
     return self._graphs[B]
 

@@ -125,8 +125,8 @@ class TreeRunnerMixin:
         self._bole_step: TreeStep | None = None
         self._bole_drafted = None  # (TreeBatch of the last drafts, {req id: row}, flat drafts per row)
         self._bole_drafts = None  # DraftTokenIds for the scheduler
-        self._bole_pending_draft = None  # (read the launched drafts, request ids): read when vLLM takes them
-        self._bole_draft_launch_s = 0.0
+        # (read the launched drafts, request ids, launch seconds): read when vLLM takes the drafts
+        self._bole_pending_draft = None
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
@@ -481,9 +481,7 @@ class TreeRunnerMixin:
         state = getattr(self, "execute_model_state", None)
         out = super().sample_tokens(grammar_output)
         if state is not None:
-            t0 = time.perf_counter()
             self._bole_propose(state.sample_hidden_states)
-            self._bole_draft_launch_s = time.perf_counter() - t0
         return out
 
     def take_draft_token_ids(self):
@@ -549,9 +547,9 @@ class TreeRunnerMixin:
         chain = tree.first_child_depth().tolist()
         prefix_np = ib.num_computed_tokens_cpu[rows].astype(np.int64)
         # positions prefix + depth, logits at the plain requests' last tokens and at every tree node
-        T, start = tree.num_nodes, int(self.query_start_loc.np[P])
-        pos = prefix_np[np.repeat(np.arange(len(rows)), tree.nodes_per_request.numpy())] + tree.depth.numpy()
         qsl = self.query_start_loc.np
+        T, start = tree.num_nodes, int(qsl[P])
+        pos = prefix_np[np.repeat(np.arange(len(rows)), tree.nodes_per_request.numpy())] + tree.depth.numpy()
         logits = np.concatenate([qsl[1: P + 1] - 1, np.arange(start, start + T)]).astype(np.int64)
         # the step's trees and per-request tables in one host-to-device copy
         groups = [g.group for g in self._bole_attention]
@@ -605,7 +603,9 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------------------ drafting
     def _bole_propose(self, hidden: torch.Tensor) -> None:
-        """Draft the next trees; ``hidden``: the step's sample hidden states (rows as its logits)."""
+        """Launch the next trees' drafting (read by :meth:`_bole_finish_draft`); ``hidden``: the step's sample
+        hidden states (rows as its logits)."""
+        t0 = time.perf_counter()
         cfg = self.bole_config
         ib = self.input_batch
         n = ib.num_reqs
@@ -637,7 +637,7 @@ class TreeRunnerMixin:
                                    kv_lens=[len(h) for h in hists], keys=req_ids,
                                    calibration=self._bole_calibration.factors() if cfg.calibrate else None,
                                    timings=self._bole_stats)
-        self._bole_pending_draft = (finish, req_ids)
+        self._bole_pending_draft = (finish, req_ids, time.perf_counter() - t0)
 
     def _bole_finish_draft(self) -> None:
         """The drafts :meth:`_bole_propose` launched, read (the paged draft's step ran on the device
@@ -645,7 +645,7 @@ class TreeRunnerMixin:
         ``DraftTokenIds``; the step's drafting time (launch + read) into the counters."""
         if self._bole_pending_draft is None:
             return
-        (finish, req_ids), self._bole_pending_draft = self._bole_pending_draft, None
+        (finish, req_ids, launch_s), self._bole_pending_draft = self._bole_pending_draft, None
         t0 = time.perf_counter()
         tree, choice = finish()
         if choice is not None:
@@ -656,7 +656,7 @@ class TreeRunnerMixin:
         from vllm.v1.outputs import DraftTokenIds
 
         self._bole_drafts = DraftTokenIds(req_ids, flat)
-        dt = self._bole_draft_launch_s + time.perf_counter() - t0
+        dt = launch_s + time.perf_counter() - t0
         self._bole_stats["draft_s"] += dt
         self._bole_metrics.observe("vllm:bole_draft_seconds", dt)
         if self._bole_budget is not None:

@@ -102,10 +102,8 @@ class StaticStep:
                     **{f"table{g}": torch.zeros(B, w, dtype=i32) for g, w in table_widths.items()},
                     **{f"slots{g}": torch.zeros(B, dtype=i64) for g in slot_groups})
         self.names = list(like)
-        buf, spans = pack(list(like.values()))
-        pinned = torch.device(device).type == "cuda"
-        self.host_buf = buf.pin_memory() if pinned else buf
-        self.dev_buf = torch.zeros_like(buf, device=device)
+        self.host_buf, spans = pack(list(like.values()), pin=torch.device(device).type == "cuda")
+        self.dev_buf = torch.zeros_like(self.host_buf, device=device)
         self.host = dict(zip(self.names, unpack(self.host_buf, like.values(), spans)))
         self.dev = dict(zip(self.names, unpack(self.dev_buf, like.values(), spans)))
         self.slot_groups, self.tables = list(slot_groups), list(table_widths)

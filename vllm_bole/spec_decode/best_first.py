@@ -116,8 +116,8 @@ class Slots:
         children), so the best-first tree of that budget over the same expansions; slots compacted
         in their breadth-first order."""
         B, S = self.valid.shape
-        valid = _np(self.valid)
-        keep = _select(_np(self.logrho), valid, _np(budgets(budget, B, "cpu")) + 1, None)
+        lr = _np(self.logrho)
+        keep = _select(lr, _np(self.valid), _np(budgets(budget, B, "cpu")) + 1, None)
         newpos = keep.cumsum(1) - 1
         src = np.zeros((B, S), np.int64)
         kb, km = np.nonzero(keep)
@@ -128,7 +128,7 @@ class Slots:
         parent = np.where(nvalid & (par >= 0), newpos[rows, np.maximum(par, 0)], -1)
         fields = {f.name: _np(getattr(self, f.name))[rows, src] for f in dataclasses.fields(self)
                   if f.name not in ("valid", "parent", "logrho")}
-        logrho = np.where(nvalid, _np(self.logrho)[rows, src], -np.inf)
+        logrho = np.where(nvalid, lr[rows, src], -np.inf)
         dev = self.valid.device
         return Slots(**{k: _to(torch.from_numpy(np.ascontiguousarray(v)), dev) for k, v in
                         dict(fields, valid=nvalid, parent=parent, logrho=logrho).items()})
