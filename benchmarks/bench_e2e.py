@@ -176,6 +176,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                    branch_by_depth=st.get("branch_by_depth"), accept_len_by_request=request_spread(st))
+        if cell["budget"] == "auto":  # the speculation switch: steps decoded plainly, its rates per batch bucket
+            row.update(plain_decode_steps=st.get("plain_decode_steps"), switch_rates=st.get("switch_rates"))
         if cell["budget"] == "auto" and st.get("budget_steps"):
             row.update(chosen_nodes_per_step=st["budget_nodes"] / st["budget_steps"],
                        predicted_step_ms=1000 * st["predicted_step_s"] / max(st["observed_steps"], 1),

@@ -159,7 +159,8 @@ def test_tree_drafting_inside_vllm(engines, models):
     base = engines.run("llama", "base")["greedy"]
     r = engine_run.run_engine(models["llama"], [engine_run.generate_job(engines.prompts("llama"), MAX_TOKENS,
                                                                         logprobs=logprobs_k("llama"))],
-                              spec=spec_config("draft_model", models["llama"], draft_beam=2, budget="auto"))
+                              spec=spec_config("draft_model", models["llama"], draft_beam=2, budget="auto",
+                                               plain_fallback=False))
     ours = r["jobs"][0]
     _check_equal("llama", base, ours)
     st = ours["stats"]
@@ -190,15 +191,16 @@ def test_constrained_greedy_equal(engines, arch):
 def test_preemption_keeps_outputs(engines, models):
     """A KV cache too small for the batch (12 blocks of 64 attention tokens): vLLM preempts running
     requests and recomputes them on resumption; every stream still equals non-speculative vLLM. With
-    ``budget: "auto"``: the controller's ragged, timing-dependent budgets change no output. Then the
-    same engine switched in place to a fixed budget of 1 (``bole_set_budget``): still equal, one node
-    per tree, the controller idle."""
+    ``budget: "auto"`` (tree steps always): the controller's ragged, timing-dependent budgets change no
+    output. Then the same engine switched in place to a fixed budget of 1 (``bole_set_budget``): still
+    equal, one node per tree, the controller idle."""
     arch = "nemotron_h"
     base = engines.run(arch, "base")["greedy"]
     jobs = [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS),
             engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, budget=1)]
     r = engine_run.run_engine(models[arch], jobs,
-                              spec=spec_config("draft_model", models[arch], budget="auto", min_budget=1),
+                              spec=spec_config("draft_model", models[arch], budget="auto", min_budget=1,
+                                               plain_fallback=False),
                               llm_kwargs=dict(num_gpu_blocks_override=12, block_size=16))
     ours, fixed = r["jobs"]
     _check_equal(arch, dict(tokens=base["tokens"]), ours)
@@ -228,6 +230,9 @@ def _mixed_requests(prompts, long_prompt, abort: bool):
 
 
 def test_mixed_batch_with_abort(engines, models):
+    """Prompts arriving while others decode (chunked prefill), an abort, sampling and penalties, with
+    ``budget: "auto"`` (the controller and the speculation switch between tree steps and plain
+    decoding): every other stream equals non-speculative vLLM."""
     arch = "nemotron_h"  # attention + Mamba2 layers
     m = models[arch]
     prompts = engines.prompts(arch)
@@ -248,6 +253,9 @@ def test_mixed_batch_with_abort(engines, models):
     assert st["prefill_mixed_tree_steps"] >= 1  # a prefill chunk shared a forward with tree decodes
     assert st["placeholder_trees"] >= 1  # the one-token prompt's padded first step went through the tree path
     assert st["accepted"] > 0
+    # budget "auto": the speculation switch probed plain decoding (a bucket's probes come in a fixed order,
+    # trees first, whatever the timings), and tree steps came back after it; outputs unchanged above
+    assert st["plain_decode_steps"] >= 1 and st["tree_steps"] > st["plain_decode_steps"] // 8
 
 
 def test_warm_up_steps_leave_outputs_unchanged(engines, models):
@@ -275,12 +283,14 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     on CPU each bucket replays eagerly: the padded static step through the model): every tree step of
     tree requests alone is padded into its bucket (padding requests on the null block and slot 0), the
     commit runs over the padded step and its static verification result; every stream still equals
-    non-speculative vLLM. With n-gram drafts and ``budget: "auto"`` the trees change size and bucket from
-    step to step, and requests without drafts decode as root-only trees (so the steps stay trees alone)."""
+    non-speculative vLLM. With n-gram drafts and ``budget: "auto"`` (tree steps always: ``plain_fallback``
+    off) the trees change size and bucket from step to step, and requests without drafts decode as
+    root-only trees (so the steps stay trees alone)."""
     base = engines.run(arch, "base")["greedy"]
     job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch), tree_graphs=True)
     r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"},
-                              spec=spec_config(drafter, models[arch] if drafter == "draft_model" else None, budget=budget))
+                              spec=spec_config(drafter, models[arch] if drafter == "draft_model" else None, budget=budget,
+                                               **({"plain_fallback": False} if budget == "auto" else {})))
     ours = r["jobs"][0]
     _check_equal(arch, base, ours)
     st = ours["stats"]

@@ -25,6 +25,9 @@ Fields (every other key is refused, with the list of allowed ones):
 * ``eps``: with ``"auto"``, a step's verification may cost at most ``1 + eps`` times a plain
   decoding step of the same batch (Bole's cap; default 1.0; ``null``: no cap, throughput alone).
 * ``min_budget``: with ``"auto"``, draft nodes every request with candidates gets first (default 0).
+* ``plain_fallback``: with ``"auto"``, ``true`` (default): the engine decodes plainly (no drafts,
+  vLLM's own decode step) for batch sizes where that measures faster than tree steps
+  (:mod:`vllm_bole.spec_decode.switch`); ``false``: tree steps always.
 * ``calibrate``: ``true`` (default): the tree builder rescales the drafter's probabilities per
   (depth, node kind: main path, its siblings, their subtrees) by the acceptance measured on this
   engine's verified trees (:mod:`vllm_bole.spec_decode.calibration`); ``false``: the drafter's own
@@ -82,6 +85,7 @@ class TreeSpecConfig(BaseModel):
     budget: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_NODES - 1)] = "auto"
     eps: float | None = Field(default=1.0, ge=0)
     min_budget: int = Field(default=0, ge=0)
+    plain_fallback: bool = True
     max_depth: int = Field(default=8, ge=1, le=MAX_DEPTH)
     calibrate: bool = True
     top_k: int | None = Field(default=None, ge=1)
@@ -115,10 +119,9 @@ class TreeSpecConfig(BaseModel):
             raise ValueError(f"min_budget: {self.min_budget} must be <= num_speculative_tokens "
                              f"({self.num_speculative_tokens})")
         defaults = TreeSpecConfig.model_fields  # values, not set-ness: the config travels as a dump
-        if self.budget != "auto" and (self.eps != defaults["eps"].default or
-                                      self.min_budget != defaults["min_budget"].default):
-            raise ValueError("eps, min_budget: only allowed with budget 'auto' (budget is "
-                             f"{self.budget})")
+        auto_only = [k for k in AUTO_ONLY if getattr(self, k) != defaults[k].default]
+        if self.budget != "auto" and auto_only:
+            raise ValueError(f"{', '.join(auto_only)}: only allowed with budget 'auto' (budget is {self.budget})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min: {self.prompt_lookup_min} must be <= prompt_lookup_max ({self.prompt_lookup_max})"
@@ -136,6 +139,7 @@ class TreeSpecConfig(BaseModel):
         return None if self.budget == "auto" else self.budget
 
 
+AUTO_ONLY = ("eps", "min_budget", "plain_fallback")  # fields of the budget controller (budget "auto")
 _UNION_HELP = {"budget": f"allowed: 'auto' or an integer in [1, {MAX_NODES - 1}]"}
 
 

@@ -2,6 +2,11 @@
 loaded model, its KV caches and the device; its measurements (each tree step, from input
 preparation to the sampled tokens, which the verification reads back to the host); its counters.
 
+Above the controller, its :class:`~vllm_bole.spec_decode.switch.SpeculationSwitch`: whether the
+next step drafts trees at all or decodes plainly (vLLM's own decode step, its whole-batch CUDA graph
+included), by the measured rate of whole engine steps in each mode (from one input preparation to the
+next).
+
 The prior's device numbers are nominal (HBM bandwidth, dense bf16 peak; a CPU gets a rough
 default): the online correction per token bucket absorbs what they miss, from the first tree step
 of each bucket on.
@@ -13,6 +18,7 @@ import time
 import torch
 
 from vllm_bole.spec_decode.controller import BudgetController, Choice, Roofline, StepCostModel
+from vllm_bole.spec_decode.switch import SpeculationSwitch
 
 # device-name substring -> (bytes / s, flop / s)
 DEVICES = {"H200": (4.8e12, 9.89e14), "H100": (3.35e12, 9.89e14), "H20": (4.0e12, 1.48e14),
@@ -50,8 +56,10 @@ class StepBudget:
         self.ctl: BudgetController | None = None
         self.t0: float | None = None
         self.predicted_s: float | None = None
+        self.switch = SpeculationSwitch()
+        self.last: dict | None = None  # the engine step under way, as the switch samples it
         self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], observed_steps=0,
-                          predicted_step_s=0.0, measured_step_s=0.0)
+                          predicted_step_s=0.0, measured_step_s=0.0, plain_decode_steps=0)
 
     def controller(self, runner) -> BudgetController:
         """Built at the first drafting step (model loaded, KV caches bound, layers installed)."""
@@ -99,6 +107,27 @@ class StepBudget:
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
+
+    def step_begun(self, batch: int, tree: bool, prefill: bool) -> None:
+        """An engine step of ``batch`` requests began at :meth:`start` (a tree step or not; with prompt
+        tokens or not): the previous step, from its beginning to this one's, is a sample of the switch
+        when it ran steady (in the mode its own drafting chose) and decoded only."""
+        last = self.last
+        if last is not None and last["tree"] == last["decided"] and not last["prefill"]:
+            self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"])
+        self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, decided=None)
+
+    def emitted(self, tokens: int) -> None:
+        """The tree step under way emitted ``tokens`` tokens (a plain decode step: one per request)."""
+        self.last["tokens"] = tokens
+
+    def speculate(self, batch: int) -> bool:
+        """Whether the next step of ``batch`` requests drafts trees (the switch's decision)."""
+        decided = self.switch.decide(batch)
+        if self.last is not None:
+            self.last["decided"] = decided
+        self.stats["plain_decode_steps"] += not decided
+        return decided
 
     def observe(self, num_requests: int, tokens: int, kv_tokens: float) -> tuple[float, float] | None:
         """The tree step begun at :meth:`start` has its sampled tokens on the host; returns (predicted,

@@ -59,6 +59,8 @@ WORKER_SERIES = {
                                          _SECONDS),
     "vllm:bole_step_measured_seconds": ("histogram", "Measured tree-step time (input preparation to sampled "
                                         "tokens), where the controller predicted it", _SECONDS),
+    "vllm:bole_speculating": ("gauge", "1 while the engine drafts trees, 0 while the speculation switch (budget "
+                              "\"auto\") has it decode plainly, the faster mode as measured", None),
     "vllm:bole_draft_evictions": ("counter", "Requests evicted from the paged draft's KV pool", None),
     "vllm:bole_draft_pages_used": ("gauge", "Pages of the paged draft's KV pool in use", None),
 }

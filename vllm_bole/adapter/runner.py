@@ -50,7 +50,7 @@ from vllm_bole.adapter.metrics import WorkerMetrics, snapshot_path
 from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tree, tree_sampling
 from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
 from vllm_bole.attention.tree_attention import tree_slot_mapping
-from vllm_bole.config import TreeSpecConfig
+from vllm_bole.config import AUTO_ONLY, TreeSpecConfig
 from vllm_bole.spec_decode.calibration import BRANCH_COLUMNS, Calibration, branch_columns, kind_counts
 from vllm_bole.spec_decode.block_drafter import HeadDrafter, load_head
 from vllm_bole.spec_decode.draft_model import HFDraftModel
@@ -157,7 +157,7 @@ class TreeRunnerMixin:
         in one engine with it (``collective_rpc("bole_set_budget", args=(8,))``)."""
         fields = dict(self.bole_config.model_dump(), budget=budget)
         if budget != "auto":
-            fields.update({k: TreeSpecConfig.model_fields[k].default for k in ("eps", "min_budget")})
+            fields.update({k: TreeSpecConfig.model_fields[k].default for k in AUTO_ONLY})
         self._bole_set_config(TreeSpecConfig(**fields))
         return self.bole_config.budget
 
@@ -349,6 +349,11 @@ class TreeRunnerMixin:
         step, pos, tree_logits = self._bole_build_step(scheduler_output, num_scheduled_tokens)
         self._bole_flush_pending(exclude=set(step.req_ids) if step is not None else set())
         self._bole_step = step
+        plain = step.num_plain if step is not None else self.input_batch.num_reqs
+        qsl = self.query_start_loc.np[: plain + 1]
+        prefill = bool(plain) and int((qsl[1:] - qsl[:-1]).max()) > 1
+        if self._bole_budget is not None:
+            self._bole_budget.step_begun(self.input_batch.num_reqs, step is not None, prefill)
         if step is None:
             return logits_indices, spec_md, max_sampled
         s, T = step.tok_start, step.num_tokens
@@ -361,9 +366,7 @@ class TreeRunnerMixin:
             mrope[:, s : s + T] = (pos + upload(delta, pos.device)[step.tree.request_index]).to(mrope.device, mrope.dtype)
         # placeholders (-1, scheduler padding) must not reach the embedding
         self.input_ids.gpu[s : s + T].clamp_(min=0)
-        qsl = self.query_start_loc.np[: step.num_plain + 1]
-        if step.num_plain and int((qsl[1:] - qsl[:-1]).max()) > 1:
-            self._bole_stats["prefill_mixed_tree_steps"] += 1
+        self._bole_stats["prefill_mixed_tree_steps"] += prefill
         if self._bole_stats["tree_steps"] < CHECKED_STEPS:
             self._bole_check_slots(step)
         for g in self._bole_attention:
@@ -469,6 +472,7 @@ class TreeRunnerMixin:
         self._bole_kinds += kinds
         self._bole_calibration.update(kinds)
         if self._bole_budget is not None:
+            self._bole_budget.emitted(P + tree.num_requests + sum(acc))
             times = self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
                                               float(step.prefix_len.sum()))
             if times is not None:
@@ -501,8 +505,14 @@ class TreeRunnerMixin:
         ``calibration``: per node kind (main, branch, off) and depth the recent acceptance rates and
         the builder's factors (``spec_decode.calibration``); with ``budget: "auto"`` the
         controller's counters (budget_steps, budget_nodes, budget_last: the latest per-request
-        budgets, observed_steps, predicted_step_s / measured_step_s: sums over observed steps)."""
-        budget = self._bole_auto.stats if self._bole_auto is not None else {}
+        budgets, observed_steps, predicted_step_s / measured_step_s: sums over observed steps;
+        plain_decode_steps: steps the speculation switch had decode plainly; switch_rates: per batch
+        bucket its estimated tokens / s / request of tree steps and of plain decoding)."""
+        budget = {}
+        if self._bole_auto is not None:
+            rates = {b: {"trees" if m else "plain": r for m, r in x.rate.items()}
+                     for b, x in sorted(self._bole_auto.switch.buckets.items())}
+            budget = dict(self._bole_auto.stats, switch_rates=rates)
         depth = slice(1, self.bole_config.depth + 1)
         cols = branch_columns(self._bole_kinds)
         branch = {c: cols[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}
@@ -616,6 +626,15 @@ class TreeRunnerMixin:
         if isinstance(self._bole_drafter, HeadDrafter):  # a step without trees: one logits row per request
             self._bole_drafter.condition(hidden[rows if rows is not None else slice(0, n)])
         req_ids = list(ib.req_ids[:n])
+        budget = self._bole_budget
+        speculate = budget is None or not cfg.plain_fallback or budget.speculate(n)
+        self._bole_metrics.set("vllm:bole_speculating", float(speculate))
+        if not speculate:  # the next step decodes plainly (vLLM's own step): no drafts
+            from vllm.v1.outputs import DraftTokenIds
+
+            self._bole_drafts, self._bole_drafted = DraftTokenIds(req_ids, [[] for _ in req_ids]), None
+            self._bole_pending_draft = None
+            return
         discard = self.discard_request_mask.np[:n]
         roots, hists, depths = [], [], []
         for i, rid in enumerate(req_ids):
@@ -630,7 +649,6 @@ class TreeRunnerMixin:
             roots.append(int(hist[-1]))
             hists.append(hist)
             depths.append(max(min(cfg.depth, self.max_model_len - num - 1), 0))
-        budget = self._bole_budget
         ctl, cap = budget and budget.controller(self), cfg.fixed_budget or cfg.num_speculative_tokens
         finish = draft_trees_async(self._bole_drafter, roots, hists, depths, ctl.search_budget(cap) if ctl else cap,
                                    max_depth=cfg.depth, top_k=cfg.top_k, controller=ctl,

@@ -233,7 +233,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     stood; other values (lists, rates) as they are now."""
     if after is None:
         return None
-    out = {k: v - before[k] if isinstance(v, (int, float)) else v for k, v in after.items()}
+    out = {k: v - before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in after.items()}
     if "branch_by_depth" in after:
         out["branch_by_depth"] = {c: [a - b for a, b in zip(v, before["branch_by_depth"][c])]
                                   for c, v in after["branch_by_depth"].items()}
