@@ -181,7 +181,7 @@ def engine_kwargs(args) -> dict:
               enable_prefix_caching=False, disable_log_stats=False, seed=0, load_format="dummy")
     if not args.eager:
         kw.update(compilation_config={"cudagraph_capture_sizes": CAPTURE}, attention_backend="TRITON_ATTN",
-                  gpu_memory_utilization=0.9)
+                  gpu_memory_utilization=0.6)  # tree steps hold work space vLLM does not profile
     else:
         kw["gpu_memory_utilization"] = 0.3
     if "qwen3-next" in args.model:

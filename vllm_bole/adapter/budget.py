@@ -108,12 +108,13 @@ class StepBudget:
     def start(self) -> None:
         self.t0 = time.perf_counter()
 
-    def step_begun(self, batch: int, tree: bool, prefill: bool) -> None:
+    def step_begun(self, batch: int, tree: bool, prefill: bool, changed: bool) -> None:
         """An engine step of ``batch`` requests began at :meth:`start` (a tree step or not; with prompt
-        tokens or not): the previous step, from its beginning to this one's, is a sample of the switch
-        when it ran steady (in the mode its own drafting chose) and decoded only."""
+        tokens or not; ``changed``: requests arrived, finished or resumed since the previous step): the
+        previous step, from its beginning to this one's, is a sample of the switch when it ran steady
+        (in the mode its own drafting chose), decoded only and kept its requests."""
         last = self.last
-        if last is not None and last["tree"] == last["decided"] and not last["prefill"]:
+        if last is not None and last["tree"] == last["decided"] and not last["prefill"] and not changed:
             self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"])
         self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, decided=None)
 

@@ -353,7 +353,10 @@ class TreeRunnerMixin:
         qsl = self.query_start_loc.np[: plain + 1]
         prefill = bool(plain) and int((qsl[1:] - qsl[:-1]).max()) > 1
         if self._bole_budget is not None:
-            self._bole_budget.step_begun(self.input_batch.num_reqs, step is not None, prefill)
+            so = scheduler_output
+            changed = bool(so.scheduled_new_reqs or so.finished_req_ids or
+                           getattr(so.scheduled_cached_reqs, "resumed_req_ids", None))
+            self._bole_budget.step_begun(self.input_batch.num_reqs, step is not None, prefill, changed)
         if step is None:
             return logits_indices, spec_md, max_sampled
         s, T = step.tok_start, step.num_tokens
@@ -510,8 +513,8 @@ class TreeRunnerMixin:
         bucket its estimated tokens / s / request of tree steps and of plain decoding)."""
         budget = {}
         if self._bole_auto is not None:
-            rates = {b: {"trees" if m else "plain": r for m, r in x.rate.items()}
-                     for b, x in sorted(self._bole_auto.switch.buckets.items())}
+            switch = self._bole_auto.switch
+            rates = {b: {"trees" if m else "plain": r for m, r in switch.rates(b).items()} for b in sorted(switch.buckets)}
             budget = dict(self._bole_auto.stats, switch_rates=rates)
         depth = slice(1, self.bole_config.depth + 1)
         cols = branch_columns(self._bole_kinds)

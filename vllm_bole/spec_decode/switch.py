@@ -10,17 +10,24 @@ both modes, as the user sees them, and keeps the faster one:
 
 * a sample is one engine step, from one input preparation to the next (scheduler and output
   processing included), in a steady mode (the step ran in the mode its own drafting chose: the
-  first step after a switch carries the switch's cost and is not a sample); its rate is tokens
-  emitted per second per request (``1 / TPOT``), exponentially weighted per bucket (the batch size
-  rounded up to a power of two) and mode; a sample counts as at most ``clip`` times the current
-  estimate either way (a step that compiled kernels, an engine idle between requests);
+  first step after a switch carries the switch's cost and is not a sample), decoding only, with the
+  same requests at its end as at its beginning (none arrived, finished or resumed: an engine idle
+  between requests never lands in a sample); its rate is tokens emitted per second per request
+  (``1 / TPOT``); a bucket's estimate of a mode is the median of its last ``window`` samples (the
+  batch size rounded up to a power of two);
 * a bucket first runs ``probe`` steps of each mode (trees first), then the faster mode, and every
   ``explore_every`` steps ``probe`` steps of the other one (its estimate follows acceptance and
-  context lengths as they change); a decision of the other mode's probe costs at most
-  ``probe / explore_every`` of the steps.
+  context lengths as they change): the slower mode takes at most ``probe / explore_every`` of
+  the steps.
+
+Seen on the H200 at d8485d7 before these rules: the first samples of a bucket, taken across the
+pause between two batches of requests and in the warm-up, rated a mode 10-700x too low, and an
+exponentially weighted estimate took hundreds of steps to recover.
 """
 from __future__ import annotations
 
+import collections
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["SpeculationSwitch"]
@@ -28,8 +35,7 @@ __all__ = ["SpeculationSwitch"]
 
 @dataclass
 class _Bucket:
-    rate: dict = field(default_factory=dict)  # speculate (bool) -> tokens / s / request
-    samples: dict = field(default_factory=lambda: {True: 0, False: 0})
+    samples: dict  # speculate (bool) -> deque of the latest rates (tokens / s / request)
     mode: bool = True
     left: int = 0  # steps of the current run still to take in ``mode``
     steps: int = 0
@@ -38,10 +44,9 @@ class _Bucket:
 
 @dataclass
 class SpeculationSwitch:
-    probe: int = 3  # steps per probe of a mode (the first is the switch's, not a sample)
+    probe: int = 4  # steps per probe of a mode (the first is the switch's, not a sample)
     explore_every: int = 128  # steps between probes of the slower mode
-    alpha: float = 0.25  # weight of a new sample
-    clip: float = 4.0
+    window: int = 5  # samples per mode and bucket in the estimate (their median)
     buckets: dict = field(default_factory=dict)  # power of two -> _Bucket
 
     def __post_init__(self):
@@ -49,16 +54,21 @@ class SpeculationSwitch:
             raise ValueError(f"probe: must be >= 2 (got {self.probe}): a probe's first step is not a sample")
         if not self.explore_every > self.probe:
             raise ValueError(f"explore_every: must be > probe ({self.probe}) (got {self.explore_every})")
+        if not self.window >= 1:
+            raise ValueError(f"window: must be >= 1 (got {self.window})")
 
     def _bucket(self, batch: int) -> _Bucket:
-        return self.buckets.setdefault(1 << max(int(batch) - 1, 0).bit_length(), _Bucket())
+        key = 1 << max(int(batch) - 1, 0).bit_length()
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket({m: collections.deque(maxlen=self.window) for m in (True, False)})
+        return self.buckets[key]
 
     def decide(self, batch: int) -> bool:
         """Whether the next step of ``batch`` requests verifies trees (True) or decodes plainly."""
         b = self._bucket(batch)
         b.steps += 1
         if b.left == 0:
-            unseen = [m for m in (True, False) if b.samples[m] < self.probe - 1]
+            unseen = [m for m in (True, False) if not b.samples[m]]
             best = self.best(batch)
             if unseen:
                 b.mode, b.left = unseen[0], self.probe
@@ -69,19 +79,16 @@ class SpeculationSwitch:
         b.left -= 1
         return b.mode
 
+    def rates(self, batch: int) -> dict:
+        """The bucket's estimate per mode (tokens / s / request; a mode without samples is absent)."""
+        return {m: statistics.median(q) for m, q in self._bucket(batch).samples.items() if q}
+
     def best(self, batch: int) -> bool:
         """The mode with the higher estimated rate (trees on ties and before any sample)."""
-        rate = self._bucket(batch).rate
+        rate = self.rates(batch)
         return rate.get(True, 0.0) >= rate.get(False, 0.0)
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One steady step of ``batch`` requests emitted ``tokens`` tokens in ``seconds``."""
-        if not (batch > 0 and seconds > 0 and tokens >= 0):
-            return
-        b = self._bucket(batch)
-        r = tokens / seconds / batch
-        old = b.rate.get(speculated)
-        if old is not None:
-            r = min(max(r, old / self.clip), old * self.clip)
-        b.rate[speculated] = r if old is None else (1 - self.alpha) * old + self.alpha * r
-        b.samples[speculated] += 1
+        if batch > 0 and seconds > 0 and tokens >= 0:
+            self._bucket(batch).samples[speculated].append(tokens / seconds / batch)
