@@ -98,6 +98,15 @@ def test_engine_log_says_tree_speculation_is_on(engines):
     lines = engines.run("llama", "ngram")["plugin_lines"]
     assert any("method bole_tree active: drafter ngram" in ln and "model runner" in ln and "CUDA graphs" in ln
                for ln in lines), lines
+    assert not any("pending paths" in ln for ln in lines)  # attention only: no pending paths, nothing set aside
+
+
+def test_kv_cache_leaves_room_for_pending_paths(engines):
+    """A hybrid's pending-path buffers (per state slot, i.e. per KV block, allocated after vLLM sized
+    the cache) are set aside from the KV cache's memory before vLLM sizes it (``kv_bytes_after_pending``)."""
+    lines = engines.run("nemotron_h", "ngram")["plugin_lines"]
+    found = [ln for ln in lines if "set aside for the recurrent layers' pending paths" in ln]
+    assert len(found) == 1 and " 0.00 GiB" not in found[0], lines
 
 
 def test_bf16_criterion_catches_wrong_gdn_commit(engines, models):

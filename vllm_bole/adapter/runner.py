@@ -225,6 +225,17 @@ class TreeRunnerMixin:
         self._bole_installed = True
         self._bole_log_start()
 
+    def bole_pending_bytes_per_slot(self) -> int:
+        """Bytes per vLLM state slot of every recurrent layer's pending-path buffer together (each
+        layer kind's one-slot buffer, on the host, before the KV caches exist)."""
+        total = 0
+        for name, module in self.compilation_config.static_forward_context.items():
+            kind = next((k for k in RECURRENT_KINDS if k.matches(module)), None)
+            if kind is not None:  # the real layer objects replace this install once the caches are bound
+                p = kind(name, module, 0, ActiveStep(), self.bole_config.depth + 1)._new_pending(1)
+                total += sum(t.numel() * t.element_size() for t in (p.length, *p.fields.values()))
+        return total
+
     def _bole_recurrent_layers(self) -> list:
         """Every recurrent layer object, all KV-cache groups."""
         return [layer for layers in self._bole_recurrent.values() for layer in layers]

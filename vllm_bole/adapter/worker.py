@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import copy
 import importlib
+import logging
 
 from vllm_bole.adapter.config_hook import ADDITIONAL_KEY
 from vllm_bole.config import TreeSpecConfig
 
+logger = logging.getLogger("vllm_bole")
 _LAZY = {"BoleCPUWorker": "vllm_bole.adapter.cpu_worker", "BoleGPUWorker": "vllm_bole.adapter.gpu_worker"}
 
 
@@ -64,6 +66,30 @@ def runner_class(base):
 
     BoleModelRunner.__name__ = BoleModelRunner.__qualname__ = f"Bole{base.__name__}"
     return BoleModelRunner
+
+
+def kv_bytes_after_pending(worker, available: int) -> int:
+    """The bytes vLLM may give its KV cache out of ``available`` once the tree runner's pending-path
+    buffers are set aside. Those hold each request's accepted path for every recurrent layer and
+    are indexed by vLLM's state slot, i.e. by KV block id, so they grow with the cache: per block,
+    ``pending`` bytes beside the cache's ``per_block`` bytes (``available`` over the blocks vLLM's own
+    ``get_kv_cache_config_from_groups`` makes of it: its grouping and tensor sharing included), hence
+    ``available * per_block / (per_block + pending)``. vLLM sizes the cache before the buffers exist; without this the 8B-shape
+    engine ran out of GPU memory at ``gpu_memory_utilization`` 0.9 (H200, d8485d7)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    pending = worker.model_runner.bole_pending_bytes_per_slot()
+    if not pending or available <= 0:
+        return available
+    spec = worker.model_runner.get_kv_cache_spec()
+    cfg = get_kv_cache_config_from_groups(worker.vllm_config, get_kv_cache_groups(worker.vllm_config, spec),
+                                          available)
+    per_block = available / max(cfg.num_blocks, 1)  # the cache's bytes per block id, all groups and layers
+    kept = int(available * per_block / (per_block + pending))
+    logger.info("vllm-bole: %.2f GiB of the KV cache's %.2f GiB set aside for the recurrent layers' pending paths "
+                "(%d bytes per state slot beside the cache's %d per block)", (available - kept) / 2**30,
+                available / 2**30, pending, per_block)
+    return kept
 
 
 def bole_stats_rpc(self) -> dict:
