@@ -13,8 +13,9 @@ GPU is the engine's alone while it is timed), CUDA graphs on (vLLM's default FUL
 steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
 every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
 (dataset, temperature, concurrency): ``concurrency`` prompts per ``LLM.generate`` call, 128 new tokens
-each (``ignore_eos``), ``max(concurrency, REQUESTS_MIN)`` requests per cell; datasets MT-Bench first
-turns, HumanEval prompts, held-out ShareGPT first turns (chat template; ``pair_data.py``).
+each (``ignore_eos``), ``max(WAVES * concurrency, REQUESTS_MIN)`` requests per cell (at d8485d7 one
+wave of ``max(concurrency, 4)``: cells of 0.4-1.3 s beside engine starts of 120-150 s, too short to
+judge); datasets MT-Bench first turns, HumanEval prompts, held-out ShareGPT first turns (chat template; ``pair_data.py``).
 
 Engines and cells (``ENGINES``): ``ar`` and ``vllm_chain`` (n-gram and ``draft_model`` at
 ``num_speculative_tokens`` in ``CHAIN_K``, a sweep; a mode vLLM refuses or fails on the hybrid is
@@ -60,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 from vllm_bole.testing import engine_run  # noqa: E402
 
 STORE = Path("/tmp/bole_bench")
-MAX_TOKENS, REQUESTS_MIN, WARM_TOKENS = 128, 4, 16
+MAX_TOKENS, REQUESTS_MIN, WAVES, WARM_TOKENS = 128, 16, 4, 16
 CONCURRENCY = (1, 8, 32, 128)
 DATASETS = ("mt_bench", "humaneval", "sharegpt")
 TEMPERATURES = (0.0, 1.0)
@@ -88,7 +89,7 @@ def job(prompts, dataset, temperature, conc, deadline, budget=None) -> list[dict
     """The cell's timed job, after an untimed one of the same cell with ``WARM_TOKENS`` tokens: the Triton
     kernels of the cell's shapes are compiled and autotuned (keyed by size classes) before the timing (seen
     on the H200: fixed budgets' tokens/s jumping 2-3x between neighbouring cells)."""
-    n = max(conc, REQUESTS_MIN)
+    n = max(WAVES * conc, REQUESTS_MIN)
     sampling = dict(temperature=temperature, seed=None) if temperature else {}
     out = []
     for tokens, cell in ((WARM_TOKENS, None), (MAX_TOKENS, dict(dataset=dataset, temperature=temperature,
@@ -298,7 +299,7 @@ def _header(args) -> dict:
     return dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", vllm=vllm,
                 torch=torch.__version__, triton=triton.__version__, commit=os.environ.get("BOLE_COMMIT"),
                 target=str(args.target), draft=str(args.draft), pair=pair,
-                settings=dict(max_tokens=MAX_TOKENS, requests_min=REQUESTS_MIN, concurrency=CONCURRENCY,
+                settings=dict(max_tokens=MAX_TOKENS, requests_min=REQUESTS_MIN, waves=WAVES, concurrency=CONCURRENCY,
                               chain_k=CHAIN_K, budgets=BUDGETS, max_depth=MAX_DEPTH, capture_sizes=CAPTURE,
                               dtype=args.dtype, cuda_graphs=not args.eager, attention_backend="TRITON_ATTN",
                               prefix_caching=False, ignore_eos=True))
