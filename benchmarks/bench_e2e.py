@@ -15,7 +15,8 @@ every mode (tree speculation refuses it; the baselines match). Each engine decod
 (dataset, temperature, concurrency): ``concurrency`` prompts per ``LLM.generate`` call, 128 new tokens
 each (``ignore_eos``), ``max(WAVES * concurrency, REQUESTS_MIN)`` requests per cell (at d8485d7 one
 wave of ``max(concurrency, 4)``: cells of 0.4-1.3 s beside engine starts of 120-150 s, too short to
-judge); datasets MT-Bench first turns, HumanEval prompts, held-out ShareGPT first turns (chat template; ``pair_data.py``).
+judge); datasets MT-Bench first turns, HumanEval prompts, held-out ShareGPT first turns (chat
+template; ``pair_data.py``).
 
 Engines and cells (``ENGINES``): ``ar`` and ``vllm_chain`` (n-gram and ``draft_model`` at
 ``num_speculative_tokens`` in ``CHAIN_K``, a sweep; a mode vLLM refuses or fails on the hybrid is

@@ -298,8 +298,8 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     base = engines.run(arch, "base")["greedy"]
     job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch), tree_graphs=True)
     r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"},
-                              spec=spec_config(drafter, models[arch] if drafter == "draft_model" else None, budget=budget,
-                                               **({"plain_fallback": False} if budget == "auto" else {})))
+                              spec=spec_config(drafter, models[arch] if drafter == "draft_model" else None,
+                                               budget=budget, **({"plain_fallback": False} if budget == "auto" else {})))
     ours = r["jobs"][0]
     _check_equal(arch, base, ours)
     st = ours["stats"]

@@ -525,7 +525,8 @@ class TreeRunnerMixin:
         budget = {}
         if self._bole_auto is not None:
             switch = self._bole_auto.switch
-            rates = {b: {"trees" if m else "plain": r for m, r in switch.rates(b).items()} for b in sorted(switch.buckets)}
+            rates = {b: {"trees" if m else "plain": r for m, r in switch.rates(b).items()}
+                     for b in sorted(switch.buckets)}
             budget = dict(self._bole_auto.stats, switch_rates=rates)
         depth = slice(1, self.bole_config.depth + 1)
         cols = branch_columns(self._bole_kinds)

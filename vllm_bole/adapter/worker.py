@@ -74,8 +74,9 @@ def kv_bytes_after_pending(worker, available: int) -> int:
     are indexed by vLLM's state slot, i.e. by KV block id, so they grow with the cache: per block,
     ``pending`` bytes beside the cache's ``per_block`` bytes (``available`` over the blocks vLLM's own
     ``get_kv_cache_config_from_groups`` makes of it: its grouping and tensor sharing included), hence
-    ``available * per_block / (per_block + pending)``. vLLM sizes the cache before the buffers exist; without this the 8B-shape
-    engine ran out of GPU memory at ``gpu_memory_utilization`` 0.9 (H200, d8485d7)."""
+    ``available * per_block / (per_block + pending)``. vLLM sizes the cache before the buffers exist;
+    without this the 8B-shape engine ran out of GPU memory at ``gpu_memory_utilization`` 0.9 (H200,
+    d8485d7)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 
     pending = worker.model_runner.bole_pending_bytes_per_slot()
