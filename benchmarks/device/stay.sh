@@ -51,7 +51,15 @@
 # E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model vllm_chain/draft_model"
 # (507 s; vLLM's chain still cut after c = 8), `graphs` (236 s), then `targets` with E2E_ONLY="vllm_chain/draft_model
 # ar/none" E2E_SECONDS=410 (198 s). Put vLLM's chain before the trees' budget sweep when both must land in one run.
-# Next stay: `install draftasync` (the deferred read of the drafts, ~20 s) before anything in vLLM.
+# 2026-12-03 (sixth session, d8485d7): the plan that fit 1604 s: parts x2 (machine start 78 s), `install draftasync`
+# with .pair/tiny (50 s; draft_async.json equal), `parts train` with .pair/data (267 s), `targets` with E2E_SECONDS=500
+# TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (460 s: engine
+# starts 120-150 s each, the cells 17 s in all), `cost` (261 s: AR fine, the tree engine out of GPU memory at
+# gpu_memory_utilization 0.9; bench_cost.py now runs 0.6 and the workers set the pending paths aside), `cost` again
+# with --mode bole_tree (251 s), then VLLM_BOLE_TREE_GRAPHS=1 bench_cost.py --batch 1 --batch 8 (173 s).
+# Next stay: `targets` with the same settings (cells are now 4 waves: ~+80 s) to judge the median switch; then
+# TREE_GRAPHS=1 `cost` (bole_tree, batch 32 and 128, gpu_memory_utilization back to 0.9 to check the reservation);
+# `online` if time is left.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -148,9 +156,12 @@ stage_profile() {  # one engine in-process, cProfile over a tree run against AR:
 }
 
 stage_cost() {  # issue 15 item 3: one target step at Nemotron-H-8B shapes (dummy weights), AR and trees
+    # (TREE_GRAPHS=1: tree steps from whole CUDA graphs, as the e2e rows run; COST_MODES="bole_tree": those only;
+    # COST_GPU_MEM=0.9: vLLM's default memory share, to check the pending paths' reservation)
     project
-    timeout 590 python3 benchmarks/bench_cost.py --model nemotron-h-8b --mode ar --mode bole_tree \
-        --tokenizer /tmp/pd/tokenizer --seconds 480 > "$OUT/e2e_cost.log" 2>&1
+    VLLM_BOLE_TREE_GRAPHS=${TREE_GRAPHS:-0} timeout 590 python3 benchmarks/bench_cost.py --model nemotron-h-8b \
+        $(printf -- "--mode %s " ${COST_MODES:-ar bole_tree}) --tokenizer /tmp/pd/tokenizer --seconds 480 \
+        --gpu-memory-utilization "${COST_GPU_MEM:-0.6}" $( [ -f /tmp/e2e_cost.json ] && echo --prior /tmp/e2e_cost.json ) > "$OUT/e2e_cost.log" 2>&1
     cp "$OUT/e2e_cost.json" /tmp/e2e_cost.json 2>/dev/null  # --prior of the next cost runs
     grep -v '^ \|^(' "$OUT/e2e_cost.log" | tail -30 | cut -c1-200
 }
