@@ -427,38 +427,37 @@ def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tenso
         f = calibration.float()[1: L + 1][:, k]
         scaled = torch.minimum(vals * f[None], torch.ones((), device=dev)).cummin(-1).values
         logs.append(torch.where(vals > 0, scaled, vals).double().log())
-    ar = torch.arange(S, device=dev)
-    st = root_only_packed(root, S)[..., 1:]  # [B, S, 6]: the fields after "valid" (valid: the slots < count)
-    empty = _slot(EMPTY_SLOT, dev)[1:]
-    count = torch.ones((B, 1), dtype=torch.long, device=dev)
+    # a free slot inside the loop: depth -1 (never a frontier) and score -inf (sorted after every node);
+    # few kernels per level (the draft's step graph is bound by its kernel count on the H200)
+    free = _slot(dict(EMPTY_SLOT, depth=-1.0), dev)[1:]
+    st = torch.where((torch.arange(S, device=dev) == 0)[:, None], _slot(ROOT_SLOT, dev)[1:], free).repeat(B, 1, 1)
+    st[:, 0, TOK] = root.double()
+    base = free.expand(B, S + 1, 6)  # the next level's slots before the kept nodes land (the last: a dump)
     keep_n = (caps.long() + 1)[:, None]
-    pslot = ar.double()[None, :, None]
+    pslot = torch.arange(S, device=dev).double()[None, :, None]
     ckind = torch.stack(kinds).double()  # [2, c]: a main parent's children, any other's
+    cdepth = torch.arange(1, L + 1, device=dev).double()
     positions = torch.arange(M, device=dev)[None].expand(B, M)
-    has, grows, tokd, valsd = vals > 0, (caps > 0)[:, None], tok.double(), vals.double()
+    minus1 = torch.full((B, 1), -1, dtype=torch.long, device=dev)  # the new slot of "no parent"
+    has, tokd, valsd = vals > 0, tok.double(), vals.double()
     for d in range(L):
-        valid = ar[None] < count
-        front = valid & (st[..., DEP] == d) & grows
+        front = st[..., DEP] == d
         main = (st[..., KIND] == 0)[:, :, None]
         cvalid = front[:, :, None] & has[:, d, None]
         clog = torch.where(cvalid, st[..., LOG, None] + torch.where(main, logs[0][:, d, None], logs[1][:, d, None]),
                            -math.inf)
-        child = torch.stack(torch.broadcast_tensors(tokd[:, d, None], pslot, torch.full((), d + 1.0, device=dev),
-                                                    torch.where(main, ckind[0], ckind[1]), clog, valsd[:, d, None]),
-                            -1)  # [B, S, c, 6]
+        child = torch.stack(torch.broadcast_tensors(tokd[:, d, None], pslot, cdepth[d], torch.where(main, *ckind),
+                                                    clog, valsd[:, d, None]), -1)  # [B, S, c, 6]
         cand = torch.cat([st, child.view(B, S * c, 6)], 1)  # the kept nodes, then the children by (parent, rank)
-        cand_valid = torch.cat([valid, cvalid.view(B, -1)], 1)
-        order = torch.where(cand_valid, -cand[..., LOG], math.inf).sort(dim=1, stable=True).indices
+        order = cand[..., LOG].neg().sort(dim=1, stable=True).indices  # free slots and no-children last (+inf)
         rank = torch.empty_like(order).scatter_(1, order, positions)
-        keep = cand_valid & (rank < keep_n)
-        newpos = keep.long().cumsum(1) - 1
-        par = cand[..., PAR].long()  # the parent's slot before this level -> after it
-        cand[..., PAR] = torch.where(par >= 0, newpos[:, :S].gather(1, par.clamp(min=0)), -1).double()
-        dest = torch.where(keep, newpos, S)[..., None].expand(B, M, 6)  # the rest lands in a dump slot
-        st = torch.zeros((B, S + 1, 6), dtype=torch.float64, device=dev).scatter_(1, dest, cand)[:, :S]
-        count = keep.sum(1, keepdim=True)
-    valid = ar[None] < count
-    return torch.cat([valid.double()[..., None], torch.where(valid[..., None], st, empty)], -1)
+        keep = (rank < keep_n) & (cand[..., LOG] > -math.inf)
+        newpos = keep.cumsum(1, dtype=torch.long) - 1
+        # the parent's slot before this level -> after it (-1 stays -1)
+        cand[..., PAR] = torch.cat([minus1, newpos[:, :S]], 1).gather(1, cand[..., PAR].long() + 1).double()
+        st = base.clone().scatter_(1, torch.where(keep, newpos, S)[..., None].expand(B, M, 6), cand)[:, :S]
+    valid = st[..., DEP] >= 0
+    return torch.cat([valid.double()[..., None], torch.where(valid[..., None], st, _slot(EMPTY_SLOT, dev)[1:])], -1)
 
 
 def _child_logs(prob: np.ndarray, calibration) -> tuple[np.ndarray, np.ndarray]:

@@ -250,19 +250,27 @@ class PagedDraftModel:
         return 2 * config.num_hidden_layers * kv_heads * head * torch.empty(0, dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ forward
+    def _slots(self, table, kv_pos, req=None) -> torch.Tensor:
+        """Flat page slots of positions ``kv_pos`` (any shape; rows of ``table`` by ``req``, default: the
+        first axis of ``kv_pos``, one row each)."""
+        ps = self.pool.page_size
+        if req is None:
+            req = torch.arange(kv_pos.shape[0], device=kv_pos.device).view(-1, *([1] * (kv_pos.dim() - 1)))
+        return table[req, kv_pos // ps].long() * ps + kv_pos % ps
+
     def _forward(self, tokens, positions, prefix, table, mask, max_kv_len, keep=None, kv_pos=None,
-                 num_keys=None) -> torch.Tensor:
+                 num_keys=None, slots=None) -> torch.Tensor:
         """One packed forward: tokens/positions [T] (RoPE positions), each request's tokens attending
         to its ``prefix`` cached tokens and, by ``mask``, to each other (``num_keys``: to that many
-        tree keys, tree_attention's); K/V written at ``kv_pos`` (default: the positions). Logits
-        [T or len(keep), V] at ``keep`` (default: every token)."""
-        ps = self.pool.page_size
-        kv_pos = positions if kv_pos is None else kv_pos
-        req = torch.arange(mask.cu_nodes.numel() - 1, device=tokens.device)
-        if req.numel() != tokens.numel():  # not one token per request (the chain steps): the tokens' requests
-            req = torch.repeat_interleave(req, (mask.cu_nodes[1:] - mask.cu_nodes[:-1]).long(),
-                                          output_size=tokens.numel())
-        slots = table[req, kv_pos // ps].long() * ps + kv_pos % ps
+        tree keys, tree_attention's); K/V written at ``kv_pos`` (default: the positions), or at
+        ``slots`` [T] when given. Logits [T or len(keep), V] at ``keep`` (default: every token)."""
+        if slots is None:
+            kv_pos = positions if kv_pos is None else kv_pos
+            req = torch.arange(mask.cu_nodes.numel() - 1, device=tokens.device)
+            if req.numel() != tokens.numel():  # not one token per request (the chain steps): the tokens' requests
+                req = torch.repeat_interleave(req, (mask.cu_nodes[1:] - mask.cu_nodes[:-1]).long(),
+                                              output_size=tokens.numel())
+            slots = self._slots(table, kv_pos, req)
 
         def attend(q, kc, vc, scale):
             return tree_attention(q, kc, vc, table, prefix, mask, scale=scale, max_nodes=mask.max_nodes,
@@ -280,9 +288,11 @@ class PagedDraftModel:
 
     def _chain(self, tok, pos, table, mask, steps: int, max_kv_len: int, out_t, out_p) -> None:
         """``steps`` one-token forwards from ``tok``/``pos`` [B] (``mask``: B one-node chains), top-k
-        into ``out_t`` / ``out_p`` [B, steps, K]. Graph-safe: no host syncs, fixed shapes."""
+        into ``out_t`` / ``out_p`` [B, steps, K]. Graph-safe: no host syncs, fixed shapes (every step's K/V
+        slots computed at once: the step graph is bound by its kernel count on the H200)."""
+        slots = self._slots(table, pos[:, None] + torch.arange(steps, device=pos.device)).T
         for d in range(steps):
-            p, t = self._topk(self._forward(tok, pos, pos, table, mask, max_kv_len))
+            p, t = self._topk(self._forward(tok, pos, pos, table, mask, max_kv_len, slots=slots[d]))
             out_t[:, d] = t
             out_p[:, d] = p
             tok, pos = t[:, 0], pos + 1
