@@ -226,14 +226,13 @@ class TreeRunnerMixin:
         self._bole_log_start()
 
     def bole_pending_bytes_per_slot(self) -> int:
-        """Bytes per vLLM state slot of every recurrent layer's pending-path buffer together (each
-        layer kind's one-slot buffer, on the host, before the KV caches exist)."""
+        """Bytes per vLLM state slot of every recurrent layer's pending-path buffer together (from the
+        layers' dimensions, before the KV caches exist)."""
         total = 0
-        for name, module in self.compilation_config.static_forward_context.items():
+        for module in self.compilation_config.static_forward_context.values():
             kind = next((k for k in RECURRENT_KINDS if k.matches(module)), None)
-            if kind is not None:  # the real layer objects replace this install once the caches are bound
-                p = kind(name, module, 0, ActiveStep(), self.bole_config.depth + 1)._new_pending(1)
-                total += sum(t.numel() * t.element_size() for t in (p.length, *p.fields.values()))
+            if kind is not None:
+                total += kind.pending_bytes_per_slot(module, self.bole_config.depth + 1)
         return total
 
     def _bole_recurrent_layers(self) -> list:

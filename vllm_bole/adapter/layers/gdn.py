@@ -14,12 +14,15 @@ from vllm_bole.adapter.layers.recurrent import RecurrentLayer
 class GDNLayer(RecurrentLayer):
     vllm_class = "GatedDeltaNetAttention"
 
-    def _install(self) -> None:
+    def _dims(self) -> None:
         layer = self.module
         tp = layer.tp_size
         self.Hk, self.Hv = layer.num_k_heads // tp, layer.num_v_heads // tp
         self.K, self.V = layer.head_k_dim, layer.head_v_dim
         gdn.check_gdn_dims(self.Hk, self.Hv, self.K, self.V)
+
+    def _install(self) -> None:
+        layer = self.module
         fwd = getattr(layer, "_vllm_bole_orig_forward", None) or getattr(layer, "_forward_method", None)
         if fwd == getattr(layer, "forward_cuda", object()):
             self._install_cuda()
@@ -115,11 +118,11 @@ class GDNLayer(RecurrentLayer):
         S, Hh, V, K = st.shape
         return st.view(S, Hh, K, V)
 
-    def _new_pending(self, num_slots: int):
+    def _new_pending(self, num_slots: int, device):
         w = self.module.in_proj_ba.weight.dtype
         dtype = w if w in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
         return gdn.PendingPath.empty(num_slots, self.max_path, self.Hk, self.Hv, self.K, self.V, dtype=dtype,
-                                     device=self.module.kv_cache[1].device)
+                                     device=device)
 
     def _stash(self, saved, tree, accepted) -> None:
         i = saved.inputs

@@ -16,13 +16,15 @@ from vllm_bole.mamba import mamba1_tree
 class Mamba1Layer(RecurrentLayer):
     vllm_class = "MambaMixer"
 
+    def _dims(self) -> None:
+        self.Dn, self.N = self.module.A.shape
+        mamba1_tree.check_mamba1_dims(self.Dn, self.N)
+
     def _install(self) -> None:
         layer = self.module
         if getattr(layer, "is_lora_enabled", False):
             raise NotImplementedError(f"vllm-bole: layer {self.name} uses LoRA, not supported with tree speculation")
         orig = getattr(layer, "_vllm_bole_orig_forward_impl", None) or layer.forward_impl
-        self.Dn, self.N = layer.A.shape
-        mamba1_tree.check_mamba1_dims(self.Dn, self.N)
 
         def forward_impl(hidden_states, output):
             step = self.active.step
@@ -56,9 +58,9 @@ class Mamba1Layer(RecurrentLayer):
     def state_view(self) -> torch.Tensor:
         return self.module.kv_cache[1]
 
-    def _new_pending(self, num_slots: int):
+    def _new_pending(self, num_slots: int, device):
         return mamba1_tree.PendingPath.empty(num_slots, self.max_path, self.Dn, self.N, dtype=self.pending_dtype(),
-                                             device=self.module.kv_cache[1].device)
+                                             device=device)
 
     def _stash(self, saved, tree, accepted) -> None:
         i = saved.inputs

@@ -15,16 +15,19 @@ INF = float("inf")
 class Mamba2Layer(RecurrentLayer):
     vllm_class = "MambaMixer2"
 
+    def _dims(self) -> None:
+        layer = self.module
+        tp = layer.tp_size
+        self.H, self.P = layer.num_heads // tp, layer.head_dim
+        self.G, self.N = layer.n_groups // tp, layer.ssm_state_size
+        ssd_tree.check_ssd_dims(self.H, self.G, self.P, self.N)
+
     def _install(self) -> None:
         layer = self.module
         if getattr(layer, "use_replayssm", False):
             raise NotImplementedError(f"vllm-bole: layer {self.name} uses ReplaySSM, not supported with tree "
                                       "speculation")
         orig = getattr(layer, "_vllm_bole_orig_conv_ssm", None) or layer.conv_ssm_forward
-        tp = layer.tp_size
-        self.H, self.P = layer.num_heads // tp, layer.head_dim
-        self.G, self.N = layer.n_groups // tp, layer.ssm_state_size
-        ssd_tree.check_ssd_dims(self.H, self.G, self.P, self.N)
 
         def conv_ssm_forward(projected_states, output):
             step = self.active.step
@@ -60,9 +63,9 @@ class Mamba2Layer(RecurrentLayer):
     def state_view(self) -> torch.Tensor:
         return self.module.kv_cache[1]
 
-    def _new_pending(self, num_slots: int):
+    def _new_pending(self, num_slots: int, device):
         return ssd_tree.PendingPath.empty(num_slots, self.max_path, self.H, self.G, self.P, self.N,
-                                          dtype=self.pending_dtype(), device=self.module.kv_cache[1].device)
+                                          dtype=self.pending_dtype(), device=device)
 
     def _stash(self, saved, tree, accepted) -> None:
         i = saved.inputs

@@ -53,16 +53,31 @@ class RecurrentLayer:
         self.max_path = max_path  # depth + 1: the longest accepted path (root included)
         self.pending = None  # allocated on first use (the caches exist by then)
         self._saved: Saved | None = None
+        self._dims()
         self._install()
 
+    @classmethod
+    def pending_bytes_per_slot(cls, module, max_path: int) -> int:
+        """Bytes of one state slot of the pending-path buffer of ``module`` (its dimensions alone: nothing
+        installed, no cache needed, nothing allocated)."""
+        probe = cls.__new__(cls)
+        probe.module, probe.max_path = module, max_path
+        probe._dims()
+        p = probe._new_pending(1, "meta")
+        return sum(t.numel() * t.element_size() for t in (p.length, *p.fields.values()))
+
     # --- subclass hooks
+    def _dims(self) -> None:
+        """The layer's dimensions (this TP rank's) from the module, checked against the kernels' envelope."""
+        raise NotImplementedError
+
     def _install(self) -> None:
         raise NotImplementedError
 
     def state_view(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def _new_pending(self, num_slots: int):
+    def _new_pending(self, num_slots: int, device):
         raise NotImplementedError
 
     def _stash(self, saved: Saved, tree, accepted: torch.Tensor) -> None:
@@ -79,7 +94,7 @@ class RecurrentLayer:
 
     def pending_path(self):
         if self.pending is None:
-            self.pending = self._new_pending(self.module.kv_cache[1].shape[0])
+            self.pending = self._new_pending(self.module.kv_cache[1].shape[0], self.module.kv_cache[1].device)
         return self.pending
 
     def conv(self, step: TreeStep, conv_in: torch.Tensor, weight, bias, activation) -> tuple[torch.Tensor, torch.Tensor]:
