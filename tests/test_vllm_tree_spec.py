@@ -98,15 +98,16 @@ def test_engine_log_says_tree_speculation_is_on(engines):
     lines = engines.run("llama", "ngram")["plugin_lines"]
     assert any("method bole_tree active: drafter ngram" in ln and "model runner" in ln and "CUDA graphs" in ln
                for ln in lines), lines
-    assert not any("pending paths" in ln for ln in lines)  # attention only: no pending paths, nothing set aside
+    assert not any("set aside for tree steps" in ln for ln in lines)  # attention only: nothing set aside
 
 
-def test_kv_cache_leaves_room_for_pending_paths(engines):
-    """A hybrid's pending-path buffers (per state slot, i.e. per KV block, allocated after vLLM sized
-    the cache) are set aside from the KV cache's memory before vLLM sizes it (``kv_bytes_after_pending``)."""
+def test_kv_cache_leaves_room_for_tree_buffers(engines):
+    """A hybrid's tree buffers (the largest step's inputs until its commit; the pending paths, per state
+    slot, i.e. per KV block, allocated after vLLM sized the cache) are set aside from the KV cache's
+    memory before vLLM sizes it (``kv_bytes_after_tree_buffers``)."""
     lines = engines.run("nemotron_h", "ngram")["plugin_lines"]
-    found = [ln for ln in lines if "set aside for the recurrent layers' pending paths" in ln]
-    assert len(found) == 1 and " 0.00 GiB" not in found[0], lines
+    found = [ln for ln in lines if "set aside for tree steps" in ln]
+    assert len(found) == 1 and "vllm-bole: 0.00 GiB of" not in found[0], lines
 
 
 def test_bf16_criterion_catches_wrong_gdn_commit(engines, models):

@@ -7,7 +7,7 @@ from vllm.v1.worker import cpu_worker as _cpu_worker_mod
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_bole.adapter.worker import (bole_capture_tree_graphs_rpc, bole_set_budget_rpc, bole_stats_rpc,
-                                     bole_warm_up_rpc, kv_bytes_after_pending, model_side_config, runner_class,
+                                     bole_warm_up_rpc, kv_bytes_after_tree_buffers, model_side_config, runner_class,
                                      tree_config_of)
 
 BoleCPUModelRunner = runner_class(CPUModelRunner)
@@ -36,7 +36,7 @@ class BoleCPUWorker(_cpu_worker_mod.CPUWorker):
             super().init_device()
 
     def determine_available_memory(self) -> int:
-        return kv_bytes_after_pending(self, super().determine_available_memory())
+        return kv_bytes_after_tree_buffers(self, super().determine_available_memory())
 
     bole_stats = bole_stats_rpc
     bole_set_budget = bole_set_budget_rpc

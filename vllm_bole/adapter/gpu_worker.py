@@ -18,7 +18,7 @@ from vllm.v1.worker.gpu_worker import Worker as _GPUWorker
 
 from vllm_bole.adapter.config_hook import V2_ENV
 from vllm_bole.adapter.worker import (bole_capture_tree_graphs_rpc, bole_set_budget_rpc, bole_stats_rpc,
-                                     bole_warm_up_rpc, kv_bytes_after_pending, model_side_config, runner_class,
+                                     bole_warm_up_rpc, kv_bytes_after_tree_buffers, model_side_config, runner_class,
                                      tree_config_of)
 
 logger = logging.getLogger("vllm_bole")
@@ -46,7 +46,7 @@ class BoleGPUWorker(_GPUWorker):
         return BoleGPUModelRunner(self.vllm_config, self.device)
 
     def determine_available_memory(self) -> int:
-        return kv_bytes_after_pending(self, super().determine_available_memory())
+        return kv_bytes_after_tree_buffers(self, super().determine_available_memory())
 
     def compile_or_warm_up_model(self):
         out = super().compile_or_warm_up_model()

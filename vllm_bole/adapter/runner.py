@@ -225,15 +225,20 @@ class TreeRunnerMixin:
         self._bole_installed = True
         self._bole_log_start()
 
-    def bole_pending_bytes_per_slot(self) -> int:
-        """Bytes per vLLM state slot of every recurrent layer's pending-path buffer together (from the
-        layers' dimensions, before the KV caches exist)."""
-        total = 0
+    def bole_tree_buffer_bytes(self) -> tuple[int, int]:
+        """(bytes per vLLM state slot of every recurrent layer's pending-path buffer, bytes the largest tree
+        step holds from its forward to its commit: the tree tokens' inputs of every recurrent layer), from
+        the layers' dimensions, before the KV caches exist. The largest step: ``max_num_seqs`` trees of
+        ``num_speculative_tokens + 1`` nodes, at most the scheduler's token budget."""
+        pending = per_token = 0
         for module in self.compilation_config.static_forward_context.values():
             kind = next((k for k in RECURRENT_KINDS if k.matches(module)), None)
             if kind is not None:
-                total += kind.pending_bytes_per_slot(module, self.bole_config.depth + 1)
-        return total
+                p, t = kind.buffer_bytes(module, self.bole_config.depth + 1)
+                pending, per_token = pending + p, per_token + t
+        sc = self.scheduler_config
+        tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * (self.bole_config.num_speculative_tokens + 1))
+        return pending, per_token * tokens
 
     def _bole_recurrent_layers(self) -> list:
         """Every recurrent layer object, all KV-cache groups."""

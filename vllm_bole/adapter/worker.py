@@ -68,28 +68,30 @@ def runner_class(base):
     return BoleModelRunner
 
 
-def kv_bytes_after_pending(worker, available: int) -> int:
-    """The bytes vLLM may give its KV cache out of ``available`` once the tree runner's pending-path
-    buffers are set aside. Those hold each request's accepted path for every recurrent layer and
-    are indexed by vLLM's state slot, i.e. by KV block id, so they grow with the cache: per block,
-    ``pending`` bytes beside the cache's ``per_block`` bytes (``available`` over the blocks vLLM's own
-    ``get_kv_cache_config_from_groups`` makes of it: its grouping and tensor sharing included), hence
-    ``available * per_block / (per_block + pending)``. vLLM sizes the cache before the buffers exist;
-    without this the 8B-shape engine ran out of GPU memory at ``gpu_memory_utilization`` 0.9 (H200,
-    d8485d7)."""
+def kv_bytes_after_tree_buffers(worker, available: int) -> int:
+    """The bytes vLLM may give its KV cache out of ``available`` once the tree runner's own buffers are set
+    aside; vLLM sizes the cache from a profile run that never goes through the tree overrides (without
+    this the 8B-shape engine ran out of GPU memory at ``gpu_memory_utilization`` 0.9 on the H200,
+    d8485d7). Two buffers: (1) the largest tree step's inputs held until its commit (fixed bytes); (2) the
+    pending paths, which hold each request's accepted path for every recurrent layer and are indexed by
+    vLLM's state slot, i.e. by KV block id, so they grow with the cache: per block ``pending`` bytes beside
+    the cache's ``per_block`` (the rest over the blocks vLLM's own ``get_kv_cache_config_from_groups``
+    makes of it, its grouping and tensor sharing included), hence ``rest * per_block / (per_block +
+    pending)``."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 
-    pending = worker.model_runner.bole_pending_bytes_per_slot()
+    pending, step = worker.model_runner.bole_tree_buffer_bytes()
     if not pending or available <= 0:
         return available
+    rest = max(available - step, 0)
     spec = worker.model_runner.get_kv_cache_spec()
-    cfg = get_kv_cache_config_from_groups(worker.vllm_config, get_kv_cache_groups(worker.vllm_config, spec),
-                                          available)
-    per_block = available / max(cfg.num_blocks, 1)  # the cache's bytes per block id, all groups and layers
-    kept = int(available * per_block / (per_block + pending))
-    logger.info("vllm-bole: %.2f GiB of the KV cache's %.2f GiB set aside for the recurrent layers' pending paths "
-                "(%d bytes per state slot beside the cache's %d per block)", (available - kept) / 2**30,
-                available / 2**30, pending, per_block)
+    cfg = get_kv_cache_config_from_groups(worker.vllm_config, get_kv_cache_groups(worker.vllm_config, spec), rest)
+    per_block = rest / max(cfg.num_blocks, 1)  # the cache's bytes per block id, all groups and layers
+    kept = int(rest * per_block / (per_block + pending))
+    logger.info("vllm-bole: %.2f GiB of the KV cache's %.2f GiB set aside for tree steps: %.2f GiB for the largest "
+                "step's inputs, the rest for the recurrent layers' pending paths (%d bytes per state slot beside "
+                "the cache's %d per block)", (available - kept) / 2**30, available / 2**30, step / 2**30, pending,
+                per_block)
     return kept
 
 

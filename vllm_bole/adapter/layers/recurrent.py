@@ -57,14 +57,18 @@ class RecurrentLayer:
         self._install()
 
     @classmethod
-    def pending_bytes_per_slot(cls, module, max_path: int) -> int:
-        """Bytes of one state slot of the pending-path buffer of ``module`` (its dimensions alone: nothing
-        installed, no cache needed, nothing allocated)."""
+    def buffer_bytes(cls, module, max_path: int) -> tuple[int, int]:
+        """(bytes of one state slot of the pending-path buffer, bytes a tree step holds per tree token until
+        its commit) of ``module``, from its dimensions alone (nothing installed, no cache needed, nothing
+        allocated). The second is an upper bound: the token's pending fields plus its conv input, which
+        is at most as large as those fields (Mamba2: x, B, C against x, dt, B; GDN: q, k, v against k, v,
+        g, beta; Mamba1: x against x, dt, B)."""
         probe = cls.__new__(cls)
         probe.module, probe.max_path = module, max_path
         probe._dims()
         p = probe._new_pending(1, "meta")
-        return sum(t.numel() * t.element_size() for t in (p.length, *p.fields.values()))
+        fields = sum(t.numel() * t.element_size() for t in p.fields.values())
+        return fields + p.length.numel() * p.length.element_size(), 2 * fields // max_path
 
     # --- subclass hooks
     def _dims(self) -> None:
