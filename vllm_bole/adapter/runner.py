@@ -79,6 +79,11 @@ def _first_rank() -> bool:
         return True
 
 
+def _resumed(scheduler_output):
+    """The step's requests resumed after a preemption (vLLM versions without the field: none)."""
+    return getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
+
+
 class _ForwardTimer:
     """The target forward of a tree step: CUDA events (read once the step's results are on the host,
     so no extra sync), wall time elsewhere."""
@@ -298,8 +303,7 @@ class TreeRunnerMixin:
         # any, was flushed into the freed slot at the step after the preemption, before any reuse of it
         # could read it: a reused slot starts without initial state)
         self._bole_finish_draft()  # drafts vLLM did not take (none expected): read before anything changes
-        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
-        self._bole_stats["resumed_requests"] += len(resumed)
+        self._bole_stats["resumed_requests"] += len(_resumed(scheduler_output))
         out = super()._update_states(scheduler_output)
         for rid in scheduler_output.finished_req_ids:
             self._bole_drop_pending(rid)
@@ -369,8 +373,7 @@ class TreeRunnerMixin:
         prefill = bool(plain) and int((qsl[1:] - qsl[:-1]).max()) > 1
         if self._bole_budget is not None:
             so = scheduler_output
-            changed = bool(so.scheduled_new_reqs or so.finished_req_ids or
-                           getattr(so.scheduled_cached_reqs, "resumed_req_ids", None))
+            changed = bool(so.scheduled_new_reqs or so.finished_req_ids or _resumed(so))
             self._bole_budget.step_begun(self.input_batch.num_reqs, step is not None, prefill, changed)
         if step is None:
             return logits_indices, spec_md, max_sampled

@@ -369,13 +369,17 @@ def best_first_slots(
 PACKED_FIELDS = ("valid", "token", "parent", "depth", "kind", "logrho", "qprob")
 EMPTY_SLOT = dict(valid=0.0, token=0.0, parent=-1.0, depth=0.0, kind=0.0, logrho=-math.inf, qprob=0.0)
 ROOT_SLOT = dict(EMPTY_SLOT, valid=1.0, logrho=0.0, qprob=1.0)
+# a free slot inside the level search: depth -1 (never a frontier), score -inf (sorted after every node)
+FREE_SLOT = dict(EMPTY_SLOT, depth=-1.0)
 
 
-def root_only_packed(root: torch.Tensor, slots: int) -> torch.Tensor:
+def root_only_packed(root: torch.Tensor, slots: int, empty: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, slots, PACKED_FIELDS]`` float64 on ``root``'s device: every request's tree its root alone
-    (``root`` [B] its token). No host-to-device copy, so it runs inside a CUDA graph capture."""
+    (``root`` [B] its token), the other slots ``empty`` ([PACKED_FIELDS], default EMPTY_SLOT). No
+    host-to-device copy, so it runs inside a CUDA graph capture."""
+    empty = _slot(EMPTY_SLOT, root.device) if empty is None else empty
     first = (torch.arange(int(slots), device=root.device) == 0)[:, None]
-    out = torch.where(first, _slot(ROOT_SLOT, root.device), _slot(EMPTY_SLOT, root.device)).repeat(root.shape[0], 1, 1)
+    out = torch.where(first, _slot(ROOT_SLOT, root.device), empty).repeat(root.shape[0], 1, 1)
     out[:, 0, PACKED_FIELDS.index("token")] = root.double()
     return out
 
@@ -427,12 +431,11 @@ def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tenso
         f = calibration.float()[1: L + 1][:, k]
         scaled = torch.minimum(vals * f[None], torch.ones((), device=dev)).cummin(-1).values
         logs.append(torch.where(vals > 0, scaled, vals).double().log())
-    # a free slot inside the loop: depth -1 (never a frontier) and score -inf (sorted after every node);
-    # few kernels per level (the draft's step graph is bound by its kernel count on the H200)
-    free = _slot(dict(EMPTY_SLOT, depth=-1.0), dev)[1:]
-    st = torch.where((torch.arange(S, device=dev) == 0)[:, None], _slot(ROOT_SLOT, dev)[1:], free).repeat(B, 1, 1)
-    st[:, 0, TOK] = root.double()
-    base = free.expand(B, S + 1, 6)  # the next level's slots before the kept nodes land (the last: a dump)
+    # free slots (FREE_SLOT) instead of per-level masks and counts: few kernels per level (the draft's step
+    # graph is bound by its kernel count on the H200)
+    free = _slot(FREE_SLOT, dev)
+    st = root_only_packed(root, S, free)[..., 1:]  # [B, S, 6]: the fields after "valid"
+    base = free[1:].expand(B, S + 1, 6)  # the next level's slots before the kept nodes land (the last: a dump)
     keep_n = (caps.long() + 1)[:, None]
     pslot = torch.arange(S, device=dev).double()[None, :, None]
     ckind = torch.stack(kinds).double()  # [2, c]: a main parent's children, any other's
