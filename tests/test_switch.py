@@ -30,6 +30,14 @@ def test_keeps_the_faster_mode_and_probes_the_other(faster):
     assert sw.best(8) is faster and sw.rates(8) == {faster: 2.0, not faster: 1.0}
 
 
+def test_first_probes_are_not_followed_by_another_at_once():
+    """After each mode's first probe the slower one waits ``explore_every`` steps for its next."""
+    sw = SpeculationSwitch(probe=3, explore_every=32)
+    ran = drive(sw, {True: 1.0, False: 2.0}, 40)
+    assert ran[:8] == [False, True, True, True, False, False, False, False]  # the first step ran before any choice
+    assert not any(ran[8:36]), ran
+
+
 def test_follows_a_change_of_rates():
     sw = SpeculationSwitch(probe=3, explore_every=16)
     drive(sw, {True: 2.0, False: 1.0}, 100)

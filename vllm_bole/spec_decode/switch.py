@@ -70,8 +70,8 @@ class SpeculationSwitch:
         if b.left == 0:
             unseen = [m for m in (True, False) if not b.samples[m]]
             best = self.best(batch)
-            if unseen:
-                b.mode, b.left = unseen[0], self.probe
+            if unseen:  # a first probe: the next one of the slower mode ``explore_every`` steps later
+                b.mode, b.left, b.next_probe = unseen[0], self.probe, b.steps + self.explore_every
             elif b.steps >= b.next_probe:
                 b.mode, b.left, b.next_probe = not best, self.probe, b.steps + self.explore_every
             else:
