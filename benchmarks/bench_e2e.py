@@ -8,8 +8,10 @@ chain-shaped trees, ``top_k`` 1), on the trained pair of ``benchmarks/train_pair
     python3 benchmarks/bench_e2e.py --part all --pair /tmp/pair_tiny --eager --dtype float32 --quick  # CPU dry run
 
 Run it under an outer ``timeout`` of at least ``--seconds`` + 90: an engine stops taking cells at the
-deadline but returns its rows only when it shuts down. Every engine runs in its own subprocess (``vllm_bole.testing.engine_run``), one after another (the
-GPU is the engine's alone while it is timed), CUDA graphs on (vLLM's default FULL_AND_PIECEWISE; tree
+deadline but returns its rows only when it shuts down. Every engine runs in its own subprocess
+(``vllm_bole.testing.engine_run``), one after another (the GPU is the engine's alone while it is timed);
+``--parallel`` starts them all at once (8 GiB of KV cache each; starts of 120-150 s each were most of a
+run's ten minutes) and then lets one engine at a time run, stage by stage (``run_parallel``), CUDA graphs on (vLLM's default FULL_AND_PIECEWISE; tree
 steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
 every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
 (dataset, temperature, concurrency): ``concurrency`` prompts per ``LLM.generate`` call, 128 new tokens
@@ -51,6 +53,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,11 +105,14 @@ def job(prompts, dataset, temperature, conc, deadline, budget=None) -> list[dict
 
 
 def engine_kwargs(args) -> dict:
+    """``--parallel``: engines side by side, so each asks for a small share of the GPU (vLLM checks only that
+    much is free when it starts) and a fixed KV cache (no profiling of memory that the others also move)."""
     kw = dict(dtype=args.dtype, enforce_eager=args.eager, max_model_len=2048, max_num_seqs=max(CONCURRENCY),
               enable_prefix_caching=False, disable_log_stats=False, seed=0)
     if not args.eager:
-        kw.update(compilation_config={"cudagraph_capture_sizes": CAPTURE}, kv_cache_memory_bytes=16 << 30,
-                  attention_backend="TRITON_ATTN", gpu_memory_utilization=0.5)
+        kw.update(compilation_config={"cudagraph_capture_sizes": CAPTURE},
+                  kv_cache_memory_bytes=(8 if args.parallel else 16) << 30, attention_backend="TRITON_ATTN",
+                  gpu_memory_utilization=0.12 if args.parallel else 0.5)
     if "qwen3_next" in str(args.target):
         kw["additional_config"] = {"gdn_prefill_backend": "triton"}
     return kw
@@ -213,8 +219,23 @@ def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
                  cell=None) for n in (1, max(CONCURRENCY))]
 
 
-def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
-    jobs = warmup_jobs(prompts, deadline) + [j for d, t, c, b in eng["cells"] for j in job(prompts, d, t, c, deadline, b)]
+def stage_of(dataset: str, temperature: float) -> int:
+    """The cell's stage: greedy MT-Bench, HumanEval, ShareGPT, then the same at temperature 1 (``--parallel``
+    times every engine's stage k before any engine's stage k + 1)."""
+    return TEMPERATURES.index(temperature) * len(DATASETS) + DATASETS.index(dataset)
+
+
+def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> list[dict]:
+    """The engine's rows (one with its error if it failed); ``gate(stage)``: the job before the engine's
+    first cell of each stage (``--parallel``)."""
+    cell_jobs, stage = [], None
+    for d, t, c, b in eng["cells"]:
+        if gate and stage_of(d, t) != stage:
+            stage = stage_of(d, t)
+            cell_jobs.append(gate(stage))
+        cell_jobs += job(prompts, d, t, c, deadline, b)
+    first = 1 if gate else 0  # the warm-up after the first gate: it runs on the GPU
+    jobs = cell_jobs[:first] + warmup_jobs(prompts, deadline) + cell_jobs[first:]
     spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("draft_beam", 0))
     base = dict(mode=eng["mode"], drafter=eng["drafter"], draft_beam=eng.get("draft_beam", 0), budget=eng["k"])
     graphs = args.tree_graphs and eng["mode"].startswith("bole")
@@ -228,10 +249,37 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float) -> list[dict]:
         return [row]
     rows = []
     for j, res in zip(jobs, out["jobs"]):
-        if j["cell"] is not None and "skipped" not in res:
+        if j.get("cell") is not None and "skipped" not in res:
             rows.append(dict(row_of(eng, j["cell"], res), engine_start_s=out["start_s"], tree_graphs=graphs))
             print(_line(rows[-1]), flush=True)
     return rows
+
+
+def run_parallel(todo: list[dict], args, prompts: dict, deadline: float) -> list[list[dict]]:
+    """Every engine of ``todo`` started at once, each waiting at a gate before each of its stages
+    (``stage_of``). Once all have started (or failed), stage by stage, engine by engine, one engine at a
+    time runs its cells of that stage: a deadline then cuts the same stages from every engine, and the
+    modes compared share the GPU's state. Each engine's rows, in ``todo``'s order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stages = [sorted({stage_of(d, t) for d, t, _, _ in eng["cells"]}) for eng in todo]
+    with tempfile.TemporaryDirectory(prefix="bole_gates") as gates, ThreadPoolExecutor(len(todo)) as pool:
+        mark = lambda what, i, k: Path(gates) / f"{what}.{i}.{k}"  # noqa: E731
+        futures = [pool.submit(run_engine, eng, args, prompts, deadline,
+                               lambda k, i=i: engine_run.gate_job(mark("ready", i, k), mark("go", i, k)))
+                   for i, eng in enumerate(todo)]
+        while not all(f.done() or mark("ready", i, stages[i][0]).exists() for i, f in enumerate(futures)):
+            time.sleep(1.0)
+        print(f"engines started: {sum(not f.done() for f in futures)} of {len(todo)}", flush=True)
+        for k in sorted(set().union(*stages)):
+            for i, f in enumerate(futures):
+                if k not in stages[i] or f.done():
+                    continue
+                mark("go", i, k).touch()
+                after = [s for s in stages[i] if s > k]
+                while not (f.done() or after and mark("ready", i, after[0]).exists()):
+                    time.sleep(0.2)
+        return [f.result() for f in futures]
 
 
 def label(r: dict) -> str:
@@ -303,7 +351,7 @@ def _header(args) -> dict:
                 settings=dict(max_tokens=MAX_TOKENS, requests_min=REQUESTS_MIN, waves=WAVES, concurrency=CONCURRENCY,
                               chain_k=CHAIN_K, budgets=BUDGETS, max_depth=MAX_DEPTH, capture_sizes=CAPTURE,
                               dtype=args.dtype, cuda_graphs=not args.eager, attention_backend="TRITON_ATTN",
-                              prefix_caching=False, ignore_eos=True))
+                              prefix_caching=False, ignore_eos=True, parallel_start=args.parallel))
 
 
 def same_as_ar(rows: list[dict]) -> None:
@@ -403,6 +451,8 @@ def main() -> int:
     ap.add_argument("--only", action="append", metavar="MODE/DRAFTER",
                     help="run only these engines of the part (e.g. bole_tree/ngram, bole_tree/draft_model/beam4), in the"
                          " order given, keeping the part's other rows")
+    ap.add_argument("--parallel", action="store_true",
+                    help="start every engine at once, then time one at a time, stage by stage (8 GiB of KV cache each)")
     ap.add_argument("--budgets", type=int_list(1, 255),
                     help=f"the fixed budgets swept, comma-separated (default {','.join(map(str, BUDGETS))}; the"
                          " largest is the engines' num_speculative_tokens, the controller's cap)")
@@ -430,11 +480,15 @@ def main() -> int:
     todo = [e for e in todo if e["drafter"] not in heads]  # a pair trained without those heads
     keep = [r for r in parts.get(args.part, {}).get("rows", []) if args.only and _name(r) not in args.only]
     parts[args.part] = dict(rows=keep, started=time.strftime("%H:%M:%S"))
-    for eng in todo:
-        if time.time() > deadline - 30:
+    if args.parallel:
+        measured = run_parallel(todo, args, prompts, deadline)
+    else:
+        measured = (run_engine(e, args, prompts, deadline) if time.time() < deadline - 30 else [] for e in todo)
+    for eng, rows in zip(todo, measured):
+        if not rows:
             parts[args.part].setdefault("not_run", []).append(f"{eng['mode']}/{eng['drafter']}/{eng['k']}")
             continue
-        parts[args.part]["rows"] += run_engine(eng, args, prompts, deadline)
+        parts[args.part]["rows"] += rows
         (STORE / f"{args.part}.json").write_text(json.dumps(parts[args.part]))
         save(args, parts)
     save(args, parts)

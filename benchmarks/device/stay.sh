@@ -95,13 +95,14 @@ stage_train() {
     grep -v '^ ' "$OUT/train_pair.log" | tail -5
 }
 
-bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whole CUDA graphs; E2E_ONLY="ar/none
+bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whole CUDA graphs; PARALLEL=1: engines
+    # started side by side, timed one at a time; E2E_ONLY="ar/none
     # bole_tree/block ...": only those engines; BUDGETS=4,8,16: the budgets swept (fewer cells per engine)
     project
     local only=()
     for e in ${E2E_ONLY:-}; do only+=(--only "$e"); done
     timeout $(($2 + 90)) python3 benchmarks/bench_e2e.py --part "$1" --pair /tmp/pair --data /tmp/pd --seconds "$2" \
-        ${TREE_GRAPHS:+--tree-graphs} ${TARGETS_ONLY:+--targets-only} ${BUDGETS:+--budgets "$BUDGETS"} ${CHAIN_K:+--chain-k "$CHAIN_K"} ${only[@]+"${only[@]}"} > "$OUT/e2e_$1.log" 2>&1
+        ${TREE_GRAPHS:+--tree-graphs} ${PARALLEL:+--parallel} ${TARGETS_ONLY:+--targets-only} ${BUDGETS:+--budgets "$BUDGETS"} ${CHAIN_K:+--chain-k "$CHAIN_K"} ${only[@]+"${only[@]}"} > "$OUT/e2e_$1.log" 2>&1
     cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
     tail -30 "$OUT/e2e_$1.log" | cut -c1-200
 }
@@ -215,6 +216,7 @@ stage_online() {  # issue 15 item 4: vllm serve under agent-style sessions, AR /
 stage_trees() { bench trees 480; }
 stage_targets() { TARGETS_ONLY=1 bench all "${E2E_SECONDS:-480}"; }  # MT-Bench greedy only; E2E_ONLY picks and orders the engines
 stage_chains() { bench chains 480; }
+stage_matrix() { bench all "${E2E_SECONDS:-480}"; }  # every dataset and temperature; E2E_ONLY picks the engines
 
 stage_e2e() {  # the vLLM-on-H200 matrix's open items, after the pair's benchmarks
     project

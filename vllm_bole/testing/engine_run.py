@@ -15,6 +15,7 @@ per check:
 * :func:`mixed_job`: drives ``LLMEngine`` step by step: requests arrive at given steps (so prefill
   chunks share batches with tree decodes), some are aborted after a given number of steps; returns
   each request's tokens and finish reason.
+* :func:`gate_job`: waits for a go file, so that engines started side by side are timed one at a time.
 
 Every job result carries the tree runner's counters of that job (``bole_stats`` through
 ``collective_rpc``, the difference across the job) when tree speculation is on, and its seconds.
@@ -85,6 +86,12 @@ def generate_job(prompts, max_tokens: int = 64, *, logprobs: int | None = None, 
     return dict(kind="generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
                 sampling=sampling or {}, rescore=rescore, budget=budget, concurrency=concurrency, warm_up=warm_up,
                 tree_graphs=tree_graphs)
+
+
+def gate_job(ready, go) -> dict:
+    """Create the file ``ready`` (the engine has started), then wait until the file ``go`` exists: engines
+    started side by side then run their jobs one at a time (``benchmarks/bench_e2e.py --parallel``)."""
+    return dict(kind="gate", ready=str(ready), go=str(go))
 
 
 def mixed_job(requests: list[dict], max_tokens: int) -> dict:
@@ -283,6 +290,14 @@ def _generate(llm, job, done: list) -> dict:
     return out
 
 
+def _gate(llm, job, done: list) -> dict:
+    Path(job["ready"]).touch()
+    t0 = time.monotonic()
+    while not Path(job["go"]).exists():
+        time.sleep(0.2)
+    return dict(waited_s=time.monotonic() - t0)
+
+
 def _mixed(llm, job, done: list) -> dict:
     from vllm import SamplingParams
 
@@ -380,7 +395,7 @@ def _run(req) -> dict:
             warm = llm.collective_rpc("bole_warm_up") if job.get("warm_up") else None
             graphs = llm.collective_rpc("bole_capture_tree_graphs") if job.get("tree_graphs") else None
             before, counters, t1 = _stats(llm, req), _counters(llm), time.monotonic()
-            res = dict(generate=_generate, mixed=_mixed, soak=_soak)[job["kind"]](llm, job, out["jobs"])
+            res = dict(generate=_generate, mixed=_mixed, soak=_soak, gate=_gate)[job["kind"]](llm, job, out["jobs"])
             res["seconds"] = time.monotonic() - t1
             res["stats"] = _stats_delta(before, _stats(llm, req))
             res["counters"] = {k: v - counters.get(k, 0) for k, v in _counters(llm).items()}
