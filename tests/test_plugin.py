@@ -155,3 +155,16 @@ def test_worker_metrics_snapshot_round_trip(tmp_path):
     assert samples[("vllm:bole_draft_seconds_bucket", "+Inf")] == 4
     assert fams["vllm:bole_draft_pages_used"].samples[0].value == 12
     assert set(fams) == set(WORKER_SERIES)
+
+
+def test_every_vllm_import_resolves(tmp_path):
+    # the project's vLLM imports (lazy ones inside functions too) against the installed vLLM; a planted
+    # moved name is caught, an ImportError fallback with one good alternative is not
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        "def f():\n    from vllm.v1.core.kv_cache_utils import no_such_name\n\n"
+        "try:\n    from vllm.no_such_module import x\nexcept ImportError:\n    from vllm import SamplingParams\n")
+    _run_ok("from pathlib import Path\nfrom vllm_bole.testing.vllm_imports import unresolved\n"
+            "assert unresolved() == [], unresolved()\n"
+            f"bad = unresolved(Path({str(tmp_path / 'pkg')!r}))\n"
+            "assert bad == ['pkg/m.py:2 vllm.v1.core.kv_cache_utils.no_such_name'], bad\n")

