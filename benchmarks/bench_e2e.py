@@ -76,6 +76,7 @@ MAX_DEPTH = 8
 SWEEP_DATASETS = ("mt_bench", "humaneval")
 CAPTURE = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 ENGINE_TIMEOUT_S = 560
+EOS: dict = {}  # {"id": the pair's end-of-sequence token} from its train_pair.json, when there is one
 
 
 def cells(datasets=DATASETS, temperatures=TEMPERATURES, concurrency=CONCURRENCY) -> list[tuple]:
@@ -183,7 +184,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    prepare_vllm_ms=1000 * st.get("prepare_vllm_s", 0.0) / max(st["steps"], 1),
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
-                   branch_by_depth=st.get("branch_by_depth"), accept_len_by_request=request_spread(st))
+                   branch_by_depth=st.get("branch_by_depth"), accept_len_by_request=request_spread(st, res["tokens"], EOS.get("id")))
         if cell["budget"] == "auto":  # the speculation switch: steps decoded plainly, its rates per batch bucket
             row.update(plain_decode_steps=st.get("plain_decode_steps"), switch_rates=st.get("switch_rates"))
         if cell["budget"] == "auto" and st.get("budget_steps"):
@@ -199,17 +200,26 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
     return row
 
 
-def request_spread(stats: dict) -> dict | None:
+def request_spread(stats: dict, streams: list | None = None, eos: int | None = None) -> dict | None:
     """Tokens per tree step of each request (its accepted nodes + 1, averaged over its tree steps), as
     p10 / p50 / p90 and min over the cell's requests: an offline cell lasts as long as its slowest
-    request, so its throughput follows the low end, not the mean."""
+    request, so its throughput follows the low end, not the mean. With ``streams`` (the cell's outputs in
+    submission order) and ``eos``: the same mean over the requests whose stream holds ``eos`` (decoding
+    went on past the answer's end, ``ignore_eos``: text neither model was trained to continue) and over
+    the rest, with their counts."""
     per: dict = {}
     for rid, _, acc in stats.get("accept_log") or ():
         per.setdefault(rid, []).append(1 + acc)
     if not per:
         return None
     q = np.quantile([np.mean(v) for v in per.values()], [0.0, 0.1, 0.5, 0.9])
-    return dict(zip(("min", "p10", "p50", "p90"), (round(float(x), 3) for x in q)))
+    out = dict(zip(("min", "p10", "p50", "p90"), (round(float(x), 3) for x in q)))
+    order = sorted(per, key=lambda rid: int(rid.split("-")[0]))  # vLLM's request ids count up
+    if streams is not None and eos is not None and len(order) == len(streams):
+        for name, pick in (("past_eos", True), ("within_answer", False)):
+            means = [np.mean(per[rid]) for rid, t in zip(order, streams) if (eos in t) == pick]
+            out[name] = dict(requests=len(means), mean=round(float(np.mean(means)), 3) if means else None)
+    return out
 
 
 def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
@@ -471,6 +481,8 @@ def main() -> int:
     deadline = time.time() + args.seconds
     args.target, args.draft = args.pair / args.target, args.pair / "draft"
     prompts = json.loads((args.data / "prompts.json").read_text())
+    if (args.pair / "train_pair.json").exists():
+        EOS["id"] = json.loads((args.pair / "train_pair.json").read_text()).get("data", {}).get("eos")
     STORE.mkdir(parents=True, exist_ok=True)
     parts = {f.stem: json.loads(f.read_text()) for f in STORE.glob("*.json")}
     todo = engines(args.part, args.quick, args.targets_only)
