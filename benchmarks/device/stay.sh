@@ -68,7 +68,7 @@
 # (`install` now checks every vLLM import first: vllm_bole.testing.vllm_imports). Some MT-Bench requests accepted
 # 1.01-1.18 tokens per tree step (the same prompts' worst was 2.13 at d8485d7). Next stay: `parts train selfdraft`
 # (alignment of the paged draft under graphs, ~3 min more), `matrix` for bole_tree/draft_model alone (~8 min),
-# `online` with --mode bole_tree, then vLLM's chain's open cells.
+# `online` with ONLINE_MODES=bole_tree, then vLLM's chain's open cells.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -231,7 +231,10 @@ stage_soak() {  # issue 13 item 7: the 5-minute soak (NemotronH, small cache, au
 
 stage_online() {  # issue 15 item 4: vllm serve under agent-style sessions, AR / vLLM chain / bole_tree
     project
-    timeout 560 python3 benchmarks/bench_online.py --pair /tmp/pair --data /tmp/pd > "$OUT/e2e_online.log" 2>&1
+    # ONLINE_MODES="bole_tree": those modes only, the committed file's other rows kept
+    timeout 560 python3 benchmarks/bench_online.py --pair /tmp/pair --data /tmp/pd \
+        $(printf -- "--mode %s " ${ONLINE_MODES:-}) ${ONLINE_MODES:+--prior benchmarks/results/e2e_online.json} \
+        > "$OUT/e2e_online.log" 2>&1
     tail -12 "$OUT/e2e_online.log" | cut -c1-200
 }
 
