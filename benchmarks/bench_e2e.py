@@ -11,8 +11,8 @@ Run it under an outer ``timeout`` of at least ``--seconds`` + 90: an engine stop
 deadline but returns its rows only when it shuts down. Every engine runs in its own subprocess
 (``vllm_bole.testing.engine_run``), one after another (the GPU is the engine's alone while it is timed);
 ``--parallel`` starts them all at once (8 GiB of KV cache each; starts of 120-150 s each were most of a
-run's ten minutes) and then lets one engine at a time run, stage by stage (``run_parallel``), CUDA graphs on (vLLM's default FULL_AND_PIECEWISE; tree
-steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
+run's ten minutes) and then lets one engine at a time run, stage by stage (``run_parallel``). CUDA graphs
+on (vLLM's default FULL_AND_PIECEWISE; tree steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
 every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
 (dataset, temperature, concurrency): ``concurrency`` prompts per ``LLM.generate`` call, 128 new tokens
 each (``ignore_eos``), ``max(WAVES * concurrency, REQUESTS_MIN)`` requests per cell (at d8485d7 one
@@ -184,7 +184,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    prepare_vllm_ms=1000 * st.get("prepare_vllm_s", 0.0) / max(st["steps"], 1),
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
-                   branch_by_depth=st.get("branch_by_depth"), accept_len_by_request=request_spread(st, res["tokens"], EOS.get("id")))
+                   branch_by_depth=st.get("branch_by_depth"),
+                   accept_len_by_request=request_spread(st, res["tokens"], EOS.get("id")))
         if cell["budget"] == "auto":  # the speculation switch: steps decoded plainly, its rates per batch bucket
             row.update(plain_decode_steps=st.get("plain_decode_steps"), switch_rates=st.get("switch_rates"))
         if cell["budget"] == "auto" and st.get("budget_steps"):
@@ -207,19 +208,25 @@ def request_spread(stats: dict, streams: list | None = None, eos: int | None = N
     submission order) and ``eos``: the same mean over the requests whose stream holds ``eos`` (decoding
     went on past the answer's end, ``ignore_eos``: text neither model was trained to continue) and over
     the rest, with their counts."""
+    per = per_request(stats)
+    if not per:
+        return None
+    q = np.quantile(list(per.values()), [0.0, 0.1, 0.5, 0.9])
+    out = dict(zip(("min", "p10", "p50", "p90"), (round(float(x), 3) for x in q)))
+    if streams is not None and eos is not None and len(per) == len(streams):
+        for name, pick in (("past_eos", True), ("within_answer", False)):
+            means = [m for m, t in zip(per.values(), streams) if (eos in t) == pick]
+            out[name] = dict(requests=len(means), mean=round(float(np.mean(means)), 3) if means else None)
+    return out
+
+
+def per_request(stats: dict) -> dict[str, float]:
+    """{request id: its tokens per tree step (accepted nodes + 1, averaged over its tree steps)} from the
+    tree runner's ``accept_log``, in submission order (vLLM's request ids count up: ``N-suffix``)."""
     per: dict = {}
     for rid, _, acc in stats.get("accept_log") or ():
         per.setdefault(rid, []).append(1 + acc)
-    if not per:
-        return None
-    q = np.quantile([np.mean(v) for v in per.values()], [0.0, 0.1, 0.5, 0.9])
-    out = dict(zip(("min", "p10", "p50", "p90"), (round(float(x), 3) for x in q)))
-    order = sorted(per, key=lambda rid: int(rid.split("-")[0]))  # vLLM's request ids count up
-    if streams is not None and eos is not None and len(order) == len(streams):
-        for name, pick in (("past_eos", True), ("within_answer", False)):
-            means = [np.mean(per[rid]) for rid, t in zip(order, streams) if (eos in t) == pick]
-            out[name] = dict(requests=len(means), mean=round(float(np.mean(means)), 3) if means else None)
-    return out
+    return {rid: float(np.mean(per[rid])) for rid in sorted(per, key=lambda rid: int(rid.split("-")[0]))}
 
 
 def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
@@ -359,7 +366,8 @@ def _header(args) -> dict:
     return dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", vllm=vllm,
                 torch=torch.__version__, triton=triton.__version__, commit=os.environ.get("BOLE_COMMIT"),
                 target=str(args.target), draft=str(args.draft), pair=pair,
-                settings=dict(max_tokens=MAX_TOKENS, requests_min=REQUESTS_MIN, waves=WAVES, concurrency=CONCURRENCY,
+                settings=dict(max_tokens=MAX_TOKENS, requests_min=REQUESTS_MIN, waves=WAVES,
+                              concurrency=CONCURRENCY,
                               chain_k=CHAIN_K, budgets=BUDGETS, max_depth=MAX_DEPTH, capture_sizes=CAPTURE,
                               dtype=args.dtype, cuda_graphs=not args.eager, attention_backend="TRITON_ATTN",
                               prefix_caching=False, ignore_eos=True, parallel_start=args.parallel))

@@ -57,10 +57,7 @@ def main() -> int:
                                 env={"VLLM_BOLE_TREE_GRAPHS": "1"} if args.tree_graphs else None)
     rows = []
     for c, res in zip(args.concurrency, out["jobs"]):
-        per: dict = {}
-        for rid, _, acc in res["stats"]["accept_log"]:
-            per.setdefault(rid, []).append(1 + acc)
-        means = {rid: float(np.mean(v)) for rid, v in per.items()}
+        means = bench_e2e.per_request(res["stats"])
         low = sorted((m, rid) for rid, m in means.items() if m < floor)
         q = np.quantile(list(means.values()), [0.0, 0.1, 0.5])
         prompt_len = lambda rid: len(prompts[int(rid.split("-")[0]) % len(prompts)])  # noqa: E731 - ids count up

@@ -63,7 +63,8 @@ def unresolved(root: Path = PACKAGE) -> list[str]:
         for alternatives in groups:
             options = [a for a in alternatives if a]
             if options and not any(all(_resolves(m, n) for m, n, _ in a) for a in options):
-                bad += [f"{path.relative_to(root.parent)}:{line} {m}{'.' + n if n else ''}" for m, n, line in options[0]]
+                where = path.relative_to(root.parent)
+                bad += [f"{where}:{line} {m}{'.' + n if n else ''}" for m, n, line in options[0]]
     return bad
 
 
