@@ -305,6 +305,14 @@ def label(r: dict) -> str:
     return r["drafter"] + (f"/beam{r['draft_beam']}" if r.get("draft_beam") else "")
 
 
+def _cell_id(e: dict, dataset=None, temperature=None, batch=None, budget=None) -> tuple:
+    """A row's cell, or an engine's cell ``(dataset, temperature, batch, budget)``: its engine and the
+    cell's settings (a row's ``budget`` as ``row_of`` writes it)."""
+    if "dataset" in e:
+        return _name(e), e["budget"], e["dataset"], e["temperature"], e["batch"]
+    return _name(e), budget if e["mode"].startswith("bole") else e["k"], dataset, temperature, batch
+
+
 def _name(e: dict) -> str:
     """An engine's (or its row's) name for ``--only``: ``mode/drafter``, ``/beam4`` when it drafts node by node."""
     return f"{e['mode']}/{label(e)}"
@@ -475,6 +483,9 @@ def main() -> int:
     ap.add_argument("--budgets", type=int_list(1, 255),
                     help=f"the fixed budgets swept, comma-separated (default {','.join(map(str, BUDGETS))}; the"
                          " largest is the engines' num_speculative_tokens, the controller's cap)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the cells this machine's earlier runs of the part measured (/tmp/bole_bench) and run"
+                         " only the others")
     ap.add_argument("--chain-k", type=int_list(1, 255),
                     help=f"vLLM's chain lengths swept, comma-separated (default {','.join(map(str, CHAIN_K))}):"
                          " one engine each")
@@ -499,7 +510,12 @@ def main() -> int:
         todo = sorted((e for e in todo if _name(e) in args.only), key=lambda e: args.only.index(_name(e)))
     heads = [d for d in ("block", "mtp") if not (args.pair / d / "block_drafter.json").exists()]
     todo = [e for e in todo if e["drafter"] not in heads]  # a pair trained without those heads
-    keep = [r for r in parts.get(args.part, {}).get("rows", []) if args.only and _name(r) not in args.only]
+    prior = parts.get(args.part, {}).get("rows", [])
+    done = {_cell_id(r) for r in prior if args.resume and "error" not in r}
+    keep = [r for r in prior if (args.only and _name(r) not in args.only) or _cell_id(r) in done]
+    for e in todo:  # --resume: the cells this machine's earlier runs measured are kept, not run again
+        e["cells"] = [c for c in e["cells"] if _cell_id(e, *c) not in done]
+    todo = [e for e in todo if e["cells"]]
     parts[args.part] = dict(rows=keep, started=time.strftime("%H:%M:%S"))
     if args.parallel:
         measured = run_parallel(todo, args, prompts, deadline)

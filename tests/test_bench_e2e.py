@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_e2e  # noqa: E402
 
 
-def test_parallel_runs_one_engine_at_a_time_stage_by_stage(monkeypatch):
-    running, timed, lock = [], [], threading.Lock()
-
+def stand_in(timed: list, running: list | None = None, lock=threading.Lock()):
+    """A stand-in for ``engine_run.run_engine``: gates wait for their go, cells append (engine, cell) to
+    ``timed``; with ``running``, asserts that only one engine's jobs run at a time."""
     def fake_engine(target, jobs, *, spec=None, **kw):
         name = json.dumps(spec, sort_keys=True)
         time.sleep(0.3 if spec is None else 0.0)  # engines start in any order
@@ -28,17 +28,24 @@ def test_parallel_runs_one_engine_at_a_time_stage_by_stage(monkeypatch):
                 results.append({})
                 continue
             with lock:
-                running.append(name)
-                assert len(set(running)) == 1, running  # only one engine's jobs at a time
+                if running is not None:
+                    running.append(name)
+                    assert len(set(running)) == 1, running  # only one engine's jobs at a time
             if job.get("cell"):
-                timed.append((name, bench_e2e.stage_of(job["cell"]["dataset"], job["cell"]["temperature"])))
+                timed.append((name, job["cell"]))
             time.sleep(0.001)
             with lock:
-                running.remove(name)
+                if running is not None:
+                    running.remove(name)
             n = len(job["prompts"])
             results.append(dict(tokens=[[1] * job["max_tokens"]] * n, generate_s=0.1, stats=None, counters={}))
         return dict(jobs=results, start_s=0.0)
+    return fake_engine
 
+
+def test_parallel_runs_one_engine_at_a_time_stage_by_stage(monkeypatch):
+    cells = []
+    fake_engine = stand_in(cells, [])
     monkeypatch.setattr(bench_e2e.engine_run, "run_engine", fake_engine)
     monkeypatch.setattr(bench_e2e, "CONCURRENCY", (1, 2))
     monkeypatch.setattr(bench_e2e, "BUDGETS", (2,))
@@ -49,8 +56,44 @@ def test_parallel_runs_one_engine_at_a_time_stage_by_stage(monkeypatch):
                            tree_graphs=False)
     rows = bench_e2e.run_parallel(todo, args, prompts, deadline=time.time() + 60)
     assert [len(r) for r in rows] == [len(e["cells"]) for e in todo]
+    timed = [(n, bench_e2e.stage_of(c["dataset"], c["temperature"])) for n, c in cells]
     assert [k for _, k in timed] == sorted(k for _, k in timed)  # every engine's stage k before any one's k + 1
     order = [json.dumps(bench_e2e.spec_for(e["mode"], e["drafter"], args.pair, e["k"]), sort_keys=True) for e in todo]
     for _, group in itertools.groupby(timed, key=lambda x: x[1]):  # within a stage: engine by engine, in order
         names = [n for n, _ in itertools.groupby(n for n, _ in group)]
         assert names == [n for n in order if n in names]
+
+
+def test_resume_runs_only_the_cells_not_yet_measured(monkeypatch, tmp_path):
+    """``--resume``: a second run of a part keeps the cells the first measured and runs only the others
+    (a run cut by its deadline is completed by the next one)."""
+    cells = []
+    monkeypatch.setattr(bench_e2e.engine_run, "run_engine", stand_in(cells))
+    monkeypatch.setattr(bench_e2e, "STORE", tmp_path / "store")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "prompts.json").write_text(json.dumps({d: [[1, 2, 3]] for d in bench_e2e.DATASETS}))
+    argv = ["bench_e2e.py", "--part", "all", "--data", str(tmp_path / "data"), "--pair", str(tmp_path), "--eager",
+            "--budgets", "2", "--chain-k", "3", "--only", "ar/none", "--only", "vllm_chain/ngram"]
+
+    def run(*extra):
+        cells.clear()
+        monkeypatch.setattr(sys, "argv", argv + list(extra))
+        assert bench_e2e.main() == 0
+        rows = json.loads((tmp_path / "e2e_throughput.json").read_text())["rows"]
+        return rows, [(json.loads(n), c) for n, c in cells]
+
+    rows, ran = run()
+    assert len(rows) == len(ran) == 2 * 2 * len(bench_e2e.DATASETS) * len(bench_e2e.CONCURRENCY)  # 2 engines
+    store = tmp_path / "store" / "all.json"
+    part = json.loads(store.read_text())
+    cut = [r for r in part["rows"] if r["mode"] == "ar" and r["temperature"] == 1.0]
+    part["rows"] = [r for r in part["rows"] if r not in cut]
+    store.write_text(json.dumps(part))
+    rows2, ran2 = run("--resume")
+    assert sorted((c["dataset"], c["batch"]) for _, c in ran2) == sorted((r["dataset"], r["batch"]) for r in cut)
+    assert all(spec is None and c["temperature"] == 1.0 for spec, c in ran2)
+    key = lambda r: (r["mode"], r["dataset"], r["temperature"], r["batch"])  # noqa: E731
+    assert sorted(map(key, rows2)) == sorted(map(key, rows))
+    rows3, ran3 = run()  # without it: everything again
+    assert len(ran3) == len(ran)

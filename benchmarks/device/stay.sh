@@ -69,6 +69,8 @@
 # 1.01-1.18 tokens per tree step (the same prompts' worst was 2.13 at d8485d7). Next stay: `parts train selfdraft`
 # (alignment of the paged draft under graphs, ~3 min more), `matrix` for bole_tree/draft_model alone (~8 min),
 # `online` with ONLINE_MODES=bole_tree, then vLLM's chain's open cells.
+# 2026-12-03 (eighth session): the draft's search in one Triton launch: `install search` (run 3) checks it
+# against the twin on the H200 before any engine uses it; `matrix` with RESUME=1 completes a cut run's cells.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -109,15 +111,21 @@ stage_train() {
 }
 
 bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whole CUDA graphs; PARALLEL=1: engines
-    # started side by side, timed one at a time; E2E_ONLY="ar/none
+    # started side by side, timed one at a time; RESUME=1: keep the cells this machine measured, run the rest; E2E_ONLY="ar/none
     # bole_tree/block ...": only those engines; BUDGETS=4,8,16: the budgets swept (fewer cells per engine)
     project
     local only=()
     for e in ${E2E_ONLY:-}; do only+=(--only "$e"); done
     timeout $(($2 + 90)) python3 benchmarks/bench_e2e.py --part "$1" --pair /tmp/pair --data /tmp/pd --seconds "$2" \
-        ${TREE_GRAPHS:+--tree-graphs} ${PARALLEL:+--parallel} ${TARGETS_ONLY:+--targets-only} ${BUDGETS:+--budgets "$BUDGETS"} ${CHAIN_K:+--chain-k "$CHAIN_K"} ${only[@]+"${only[@]}"} > "$OUT/e2e_$1.log" 2>&1
+        ${TREE_GRAPHS:+--tree-graphs} ${PARALLEL:+--parallel} ${RESUME:+--resume} ${TARGETS_ONLY:+--targets-only} ${BUDGETS:+--budgets "$BUDGETS"} ${CHAIN_K:+--chain-k "$CHAIN_K"} ${only[@]+"${only[@]}"} > "$OUT/e2e_$1.log" 2>&1
     cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
     tail -30 "$OUT/e2e_$1.log" | cut -c1-200
+}
+
+stage_search() {  # the draft's best-first search: Triton kernel against its torch twin (equal, time), ~30 s
+    timeout 200 python3 benchmarks/device/check_level_search.py > "$OUT/level_search.log" 2>&1
+    tail -10 "$OUT/level_search.log" | cut -c1-200
+    grep -q '"equal": true' "$OUT/level_search.json"
 }
 
 stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against transformers (no vLLM needed)

@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
 
@@ -410,7 +411,7 @@ def unpack_slots(packed: torch.Tensor) -> Slots:
 
 
 def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tensor, caps: torch.Tensor, slots: int,
-                        calibration: torch.Tensor) -> torch.Tensor:
+                        calibration: torch.Tensor, *, kernels: str = "auto") -> torch.Tensor:
     """:func:`grow` over per-depth candidates in torch with fixed shapes and no host synchronisation, so
     that it runs inside a CUDA graph on the device that drafted them (the paged draft's step): the
     tree's shape then costs device microseconds instead of host milliseconds. ``root`` [B],
@@ -419,7 +420,8 @@ def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tenso
     none). Same order and scores as :func:`grow` (the same expressions; its floats where the device's
     ``log`` rounds as numpy's does); no batch-wide budget. Returns the state ``[B, slots,
     PACKED_FIELDS]`` float64: the fields travel packed (one sort, one scatter and one copy to the host
-    per level and step instead of one per field)."""
+    per level and step instead of one per field). ``kernels``: after the scores, every level in one
+    launch (``csrc_triton.level_search``, equal trees) or this function's own loop (its torch twin)."""
     B, L, c = prob.shape
     dev, S, M = prob.device, int(slots), int(slots) * (1 + c)
     TOK, PAR, DEP, KIND, LOG, Q = range(6)  # PACKED_FIELDS without "valid"
@@ -431,6 +433,10 @@ def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tenso
         f = calibration.float()[1: L + 1][:, k]
         scaled = torch.minimum(vals * f[None], torch.ones((), device=dev)).cummin(-1).values
         logs.append(torch.where(vals > 0, scaled, vals).double().log())
+    if use_triton(kernels, prob):
+        from csrc_triton.level_search import level_search_triton
+
+        return level_search_triton(root, logs[0], logs[1], tok.double(), vals.double(), caps, S)
     # free slots (FREE_SLOT) instead of per-level masks and counts: few kernels per level (the draft's step
     # graph is bound by its kernel count on the H200)
     free = _slot(FREE_SLOT, dev)

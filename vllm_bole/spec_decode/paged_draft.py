@@ -14,8 +14,9 @@ Per request (``key``: the engine's request id) the drafter keeps the tokens whos
    then ``D - 1`` forwards of one token per request (the previous depth's top-1, at position
    ``len + d - 1``), each giving the next depth's top-``k``; for :meth:`PagedDraftModel.grow_trees`
    then the best-first search over those candidates on the device
-   (:func:`~vllm_bole.spec_decode.best_first.level_search_packed`; on the host it cost 0.6 ms at one
-   request and ~6 ms at 128 on the H200's host), so only the trees cross to the host. On CUDA the
+   (:func:`~vllm_bole.spec_decode.best_first.level_search_packed`, one Triton launch on CUDA; on the
+   host it cost 0.6 ms at one request and ~6 ms at 128 on the H200's host), so only the trees cross
+   to the host. On CUDA the
    whole step replays one CUDA graph, captured per batch bucket (:data:`BUCKETS`) in the engine's
    warm-up (on the H200 a catch-up through transformers' eager modules took ~6 ms of host time per
    step).
@@ -319,7 +320,7 @@ class PagedDraftModel:
         if "tree" in bufs:  # the best-first trees over the candidates, each row to its own depth
             cut = torch.arange(steps + 1, device=dev)[None, :, None] >= bufs["dep"][:, None, None]
             bufs["tree"].copy_(level_search_packed(bufs["root"], bufs["out_p"].masked_fill(cut, 0.0), bufs["out_t"],
-                                                   bufs["caps"], self.slots, bufs["cal"]))
+                                                   bufs["caps"], self.slots, bufs["cal"], kernels=self.kernels))
 
     def _buffers(self, B: int, steps: int, search: bool) -> dict:
         """Inputs and outputs of :meth:`_step` for ``B`` rows, every row padding (:meth:`_pad`); with

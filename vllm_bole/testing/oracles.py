@@ -14,7 +14,7 @@ module's docstring). Trees are ``TreeBatch``es (flat nodes, ``cu_nodes``).
 Tree helpers: ``chain_tree``, ``random_tree``, ``random_tree_batch``, ``random_accepted_paths``,
 ``deepest_accepted_paths``,
 ``strided`` and the standard test families ``TREE_SHAPES`` / ``tree_shapes()`` /
-``make_tree_shape()`` for kernel tests.
+``make_tree_shape()`` for kernel tests; ``search_cases`` for the best-first search kernel.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ __all__ = [
     "random_accepted_paths",
     "deepest_accepted_paths",
     "strided",
+    "search_cases",
 ]
 
 
@@ -178,3 +179,30 @@ def make_tree_shape(name: str, seed: int = 0, *, token_vocab=None) -> TreeBatch:
     """Build the standard family ``name`` deterministically from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     return random_tree_batch(**TREE_SHAPES[name], generator=gen, token_vocab=token_vocab)
+
+
+# (requests, depth levels, candidates per level, slots): the search kernel's tile edges (64/65,
+# 128/129 slots), depth 64, one to eight candidates, full 256-slot trees
+SEARCH_SHAPES = [(1, 1, 1, 3), (3, 4, 6, 2), (2, 8, 5, 17), (2, 16, 4, 64), (1, 64, 2, 65), (2, 12, 8, 128),
+                 (1, 20, 3, 129), (1, 64, 4, 256), (2, 10, 8, 256), (2, 64, 3, 100)]
+
+
+def search_cases(generator, device="cpu"):
+    """Inputs of ``level_search_packed`` (roots, probs, tokens, caps, slots, calibration) over
+    :data:`SEARCH_SHAPES`: probabilities as softmax, uniform (ties everywhere), quarters (ties and
+    zeros) or heavy-tailed; calibration factors with zeros (scores of -inf); ragged and zero budgets,
+    the last request's full; the last case's last request sure of its first choice (a main path to
+    depth 64)."""
+    g = generator
+    for it, (B, D, K, S) in enumerate(SEARCH_SHAPES):
+        probs = [torch.rand(B, D, K, generator=g).softmax(-1), torch.full((B, D, K), 1.0 / K),
+                 torch.randint(0, 4, (B, D, K), generator=g).float() / 4,
+                 torch.rand(B, D, K, generator=g) ** 4][it % 4].sort(-1, descending=True).values
+        tokens = torch.randint(0, 1000, (B, D, K), generator=g)
+        cal = (torch.rand(65, 3, generator=g) * 2).masked_fill(torch.rand(65, 3, generator=g) < 0.05, 0.0)
+        caps = torch.randint(0, S, (B,), generator=g)
+        caps[-1] = S - 1
+        if it == len(SEARCH_SHAPES) - 1:
+            probs[-1, :, 0], cal = 0.999, torch.ones(65, 3)
+        roots = torch.randint(0, 1000, (B,), generator=g)
+        yield tuple(x.to(device) if torch.is_tensor(x) else x for x in (roots, probs, tokens, caps, S, cal))
