@@ -5,6 +5,7 @@ candidates, depth 8) and batch 1..128. Writes ``level_search.json``: ``equal`` a
 ``batch, slots, top_k, depth, twin_us, kernel_us, speedup``).
 
     python3 benchmarks/device/check_level_search.py
+    TRITON_INTERPRET=1 python3 benchmarks/device/check_level_search.py   # CPU: equality only (a dry run)
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from vllm_bole.testing.oracles import search_cases  # noqa: E402
 
 
 def main() -> None:
-    dev = "cuda"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     equal = []
     for case in search_cases(torch.Generator().manual_seed(31), dev):
         a = level_search_packed(*case, kernels="torch")
@@ -32,7 +33,7 @@ def main() -> None:
     print(f"equal: {sum(equal)} of {len(equal)} cases", flush=True)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for S in (17, 65):
+    for S in (17, 65) if dev == "cuda" else ():
         for B in (1, 8, 32, 128):
             D, K = 8, 8
             probs = (torch.rand(B, D, K, generator=g) ** 3).softmax(-1).sort(-1, descending=True).values.to(dev)

@@ -161,7 +161,7 @@ stage_graphs() {  # the smoke with tree steps from whole CUDA graphs (VLLM_BOLE_
 stage_selfdraft() {  # draft alignment in the e2e engines' configuration (after `train`): the pair's draft as its own
     # target with chain-shaped trees must accept (nearly) the whole chain for every request (check_self_draft.py)
     project
-    timeout 400 python3 benchmarks/device/check_self_draft.py --model "${SELF_DRAFT_MODEL:-/tmp/pair/draft}" --data /tmp/pd \
+    timeout 300 python3 benchmarks/device/check_self_draft.py --model "${SELF_DRAFT_MODEL:-/tmp/pair/draft}" --data /tmp/pd \
         --tree-graphs > "$OUT/self_draft.log" 2>&1
     tail -6 "$OUT/self_draft.log" | cut -c1-200
     grep -q '"aligned": true' "$OUT/self_draft.json"
