@@ -25,13 +25,13 @@ import triton
 import triton.language as tl
 
 # offsets in a packed slot (0: valid) and the slot's width; the scratch candidates hold the fields after "valid"
-TOK: tl.constexpr = 1
-PAR: tl.constexpr = 2
-DEP: tl.constexpr = 3
-KIND: tl.constexpr = 4
-LOG: tl.constexpr = 5
-Q: tl.constexpr = 6
-NF: tl.constexpr = 7
+TOK = tl.constexpr(1)
+PAR = tl.constexpr(2)
+DEP = tl.constexpr(3)
+KIND = tl.constexpr(4)
+LOG = tl.constexpr(5)
+Q = tl.constexpr(6)
+NF = tl.constexpr(7)
 
 
 @triton.jit
