@@ -12,9 +12,10 @@ both modes, as the user sees them, and keeps the faster one:
   processing included), in a steady mode (the step ran in the mode its own drafting chose: the
   first step after a switch carries the switch's cost and is not a sample), decoding only, with the
   same requests at its end as at its beginning (none arrived, finished or resumed: an engine idle
-  between requests never lands in a sample); its rate is tokens emitted per second per request
-  (``1 / TPOT``); a bucket's estimate of a mode is the median of its last ``window`` samples (the
-  batch size rounded up to a power of two);
+  between requests never lands in a sample); a bucket (the batch size rounded up to a power of two)
+  estimates a mode's rate as tokens emitted per request over seconds, both summed over its last
+  ``window`` samples (``1 / TPOT`` of that stretch), leaving out steps over ``OUTLIER`` times the
+  window's median step time (a step that compiled kernels);
 * a bucket first runs ``probe`` steps of each mode (trees first), then the faster mode, and every
   ``explore_every`` steps ``probe`` steps of the other one (its estimate follows acceptance and
   context lengths as they change): the slower mode takes at most ``probe / explore_every`` of
@@ -22,7 +23,11 @@ both modes, as the user sees them, and keeps the faster one:
 
 Seen on the H200 at d8485d7 before these rules: the first samples of a bucket, taken across the
 pause between two batches of requests and in the warm-up, rated a mode 10-700x too low, and an
-exponentially weighted estimate took hundreds of steps to recover.
+exponentially weighted estimate took hundreds of steps to recover. At 59e0ecd the estimate was the
+median of the last 5 samples' rates: a tree step emits 1 to 9 tokens, so that median fell below
+plain decoding's whenever 3 of 5 steps accepted little, the switch went plain for ``explore_every``
+steps at once, and trees ran 13% of the steps at one request although they emitted 1.46x plain
+decoding's tokens per second (MT-Bench, the 70M pair): hence sums over a longer window.
 """
 from __future__ import annotations
 
@@ -31,11 +36,12 @@ import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["SpeculationSwitch"]
+OUTLIER = 4.0  # a sample whose step took this many times the window's median step time is left out
 
 
 @dataclass
 class _Bucket:
-    samples: dict  # speculate (bool) -> deque of the latest rates (tokens / s / request)
+    samples: dict  # speculate (bool) -> deque of the latest (tokens per request, seconds)
     mode: bool = True
     left: int = 0  # steps of the current run still to take in ``mode``
     steps: int = 0
@@ -46,7 +52,7 @@ class _Bucket:
 class SpeculationSwitch:
     probe: int = 4  # steps per probe of a mode (the first is the switch's, not a sample)
     explore_every: int = 128  # steps between probes of the slower mode
-    window: int = 5  # samples per mode and bucket in the estimate (their median)
+    window: int = 16  # samples per mode and bucket in the estimate
     buckets: dict = field(default_factory=dict)  # power of two -> _Bucket
 
     def __post_init__(self):
@@ -81,7 +87,13 @@ class SpeculationSwitch:
 
     def rates(self, batch: int) -> dict:
         """The bucket's estimate per mode (tokens / s / request; a mode without samples is absent)."""
-        return {m: statistics.median(q) for m, q in self._bucket(batch).samples.items() if q}
+        out = {}
+        for m, q in self._bucket(batch).samples.items():
+            if q:
+                cut = OUTLIER * statistics.median(s for _, s in q)
+                kept = [(t, s) for t, s in q if s <= cut]
+                out[m] = sum(t for t, _ in kept) / sum(s for _, s in kept)
+        return out
 
     def best(self, batch: int) -> bool:
         """The mode with the higher estimated rate (trees on ties and before any sample)."""
@@ -91,4 +103,4 @@ class SpeculationSwitch:
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One steady step of ``batch`` requests emitted ``tokens`` tokens in ``seconds``."""
         if batch > 0 and seconds > 0 and tokens >= 0:
-            self._bucket(batch).samples[speculated].append(tokens / seconds / batch)
+            self._bucket(batch).samples[speculated].append((tokens / batch, seconds))
