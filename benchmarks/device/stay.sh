@@ -240,7 +240,7 @@ stage_soak() {  # issue 13 item 7: the 5-minute soak (NemotronH, small cache, au
 stage_online() {  # issue 15 item 4: vllm serve under agent-style sessions, AR / vLLM chain / bole_tree
     project
     # ONLINE_MODES="bole_tree": those modes only, the committed file's other rows kept
-    timeout 560 python3 benchmarks/bench_online.py --pair /tmp/pair --data /tmp/pd \
+    timeout 560 python3 benchmarks/bench_online.py --pair /tmp/pair --data /tmp/pd ${TREE_GRAPHS:+--tree-graphs} \
         $(printf -- "--mode %s " ${ONLINE_MODES:-}) ${ONLINE_MODES:+--prior benchmarks/results/e2e_online.json} \
         > "$OUT/e2e_online.log" 2>&1
     tail -12 "$OUT/e2e_online.log" | cut -c1-200

