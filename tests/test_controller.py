@@ -207,3 +207,38 @@ def test_active_params_of_an_moe():
     assert active_params(params, SimpleNamespace(num_experts=8, num_experts_per_tok=2)) == 48 + 30 + 120
     assert active_params(params, SimpleNamespace(num_local_experts=8, num_experts_per_tok=2)) == 48 + 30 + 120
     assert active_params(params, SimpleNamespace()) == 192 + 30 + 120
+
+
+def test_the_rest_of_the_step_counts_against_it():
+    """Host work around the forward and the drafting (scheduling, output processing) is a fixed cost of
+    the step like the drafting: with it large every node pays (without it none does, compute-bound)."""
+    g = torch.Generator().manual_seed(5)
+    full = best_first_slots(torch.arange(4), random_candidates(g, 4, 6, 4), 16, max_depth=6)
+    ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None)
+    assert ctl.choose(full.logrho, full.valid, [50] * 4).total == 0
+    ctl.rest_s = 1e3
+    assert ctl.choose(full.logrho, full.valid, [50] * 4).total == int(full.valid.sum()) - 4
+
+
+def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
+    """``StepBudget``: the rest of a steady tree step = its whole interval (one step's start to the next)
+    minus its forward (start to sampled tokens) minus the drafting estimate; weighted, outliers clipped."""
+    import vllm_bole.adapter.budget as budget
+
+    clock = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
+    sb = budget.StepBudget(config=None)
+    sb.ctl = BudgetController(StepCostModel(roofline()), eps=None)
+    sb.ctl.draft_s = 0.003
+    for step, interval in enumerate([0.010, 0.010, 0.010, 1.0]):  # the last one compiled kernels
+        sb.start()
+        sb.step_begun(4, tree=True, prefill=False, changed=False)
+        sb.speculate(4)
+        clock[0] += 0.002  # the forward, to the sampled tokens
+        sb.observe(4, 20, 200.0)
+        clock[0] += interval - 0.002
+        if step == 2:
+            assert sb.ctl.rest_s == pytest.approx(0.005)
+    sb.start()
+    sb.step_begun(4, tree=True, prefill=False, changed=False)
+    assert sb.ctl.rest_s == pytest.approx(0.8 * 0.005 + 0.2 * 4 * 0.005)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from vllm_bole.spec_decode.controller import BudgetController, Choice, Roofline, StepCostModel
-from vllm_bole.spec_decode.switch import SpeculationSwitch
+from vllm_bole.spec_decode.switch import OUTLIER, SpeculationSwitch
 
 # device-name substring -> (bytes / s, flop / s)
 DEVICES = {"H200": (4.8e12, 9.89e14), "H100": (3.35e12, 9.89e14), "H20": (4.0e12, 1.48e14),
@@ -102,8 +102,7 @@ class StepBudget:
     def drafted(self, seconds: float) -> None:
         """One drafting step took ``seconds``: the controller's drafting time, exponentially weighted."""
         if self.ctl is not None:
-            c = self.ctl
-            c.draft_s = seconds if c.draft_s == 0 else 0.8 * c.draft_s + 0.2 * seconds
+            self.ctl.draft_s = _weigh(self.ctl.draft_s, seconds)
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
@@ -116,6 +115,9 @@ class StepBudget:
         last = self.last
         if last is not None and last["tree"] == last["decided"] and not last["prefill"] and not changed:
             self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"])
+            if self.ctl is not None and "forward_s" in last:  # the controller's rest of a tree step
+                rest = self.t0 - last["t"] - last["forward_s"] - self.ctl.draft_s
+                self.ctl.rest_s = _weigh(self.ctl.rest_s, max(rest, 0.0))
         self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, decided=None)
 
     def emitted(self, tokens: int) -> None:
@@ -136,6 +138,8 @@ class StepBudget:
         if self.ctl is None or self.t0 is None:
             return None
         measured, self.t0 = time.perf_counter() - self.t0, None
+        if self.last is not None:
+            self.last["forward_s"] = measured
         bucket = int(self.ctl.bucket([tokens])[0])
         prior = float(self.ctl.cost.prior.seconds(num_requests, [bucket], [kv_tokens + tokens], kv_tokens)[0])
         self.ctl.cost.observe(bucket, prior, measured)
@@ -147,3 +151,11 @@ class StepBudget:
         st["measured_step_s"] += measured
         predicted, self.predicted_s = self.predicted_s, None
         return predicted, measured
+
+
+def _weigh(estimate: float, sample: float) -> float:
+    """An exponentially weighted estimate (0: none yet) after ``sample``; a sample over ``OUTLIER`` times
+    the estimate (a step that compiled kernels) counts as that much."""
+    if estimate == 0:
+        return sample
+    return 0.8 * estimate + 0.2 * min(sample, OUTLIER * estimate)

@@ -13,7 +13,11 @@ requests' context lengths and its measured step times.
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
   by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
-  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting time)``, among totals
+  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting time + rest)`` (``rest``:
+  the engine step's time around the forward and the drafting, its scheduling and output processing,
+  measured by the engine; without it, on the H200 at 59e0ecd, the choice at 32 requests was ~6 nodes
+  a request where 16 gave 1.09x the tokens per second: a step's fixed ~4 ms of host work was
+  missing from the denominator), among totals
   whose verify cost stays within ``(1 + eps)`` times a plain decode step of the same batch (Bole's
   cap), on bucket boundaries only (padding to a bucket costs the same as filling it). A request
   with poor acceptance scores low and gets a small tree; one without candidates gets none. Every
@@ -113,6 +117,7 @@ class BudgetController:
         self.cost, self.min, self.eps = cost, min_per_request, eps
         self.buckets = np.array(sorted(set(buckets)), dtype=np.int64) if buckets else None
         self.draft_s = 0.0  # drafting time per step (the engine keeps it current)
+        self.rest_s = 0.0  # the rest of an engine step beside the forward and the drafting (likewise)
         # every ``explore_every``-th choice takes the next larger allowed bucket, so that buckets the
         # prior overrates get measured (a correction is only learnt where steps ran)
         self.explore_every, self.choices = explore_every, 0
@@ -167,7 +172,7 @@ class BudgetController:
             cand &= cost <= (1 + self.eps) * cost[0]
         if not cand.any():
             cand[forced] = True
-        tput = expected / (cost + self.draft_s)
+        tput = expected / (cost + self.draft_s + self.rest_s)
         best = int(np.where(cand, tput, -math.inf).argmax())
         self.choices += 1
         if self.explore_every and self.choices % self.explore_every == 0:
