@@ -230,6 +230,19 @@ def test_temporary_keys_keep_nothing(tiny):
     assert len(pd.pool.free) == free and not pd.pool.entries
 
 
+def test_warm_up_keeps_nothing_and_changes_no_draft(tiny):
+    """The prefill warm-up (engine start) runs histories up to what the page tables reach, under temporary
+    keys: the pool is as before and a request's drafts equal a fresh drafter's."""
+    kw = dict(top_k=2, max_len=400, depth=3, max_requests=2, kernels="torch")
+    pd, fresh = PagedDraftModel(str(tiny["llama"]), **kw), PagedDraftModel(str(tiny["llama"]), **kw)
+    free = len(pd.pool.free)
+    assert pd.warm_up() == 2 * 5  # S + 2, S + 17, S + 32, 300, and 1100 / 2100 cut to the tables (412)
+    assert len(pd.pool.free) == free and not pd.pool.entries
+    hist = [np.arange(3, 60) % 50]
+    a, b = pd.propose(hist, [3], keys=["r"]), fresh.propose(hist, [3], keys=["r"])
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
+
+
 def test_page_pool():
     pool = PagePool(7, 4)  # pages 1..6
     assert pool.reserve(["a", "b"], [8, 8]) == [True, True]  # 2 pages each

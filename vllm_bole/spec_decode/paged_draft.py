@@ -70,6 +70,8 @@ WORDS = (MAX_NODES + 31) // 32
 # the device search's candidates per request and level at most, slots x (1 + top_k): its [B, width, 6]
 # float64 intermediates are ~0.2 GB at B = 1024 (the largest bucket) and 4096; beyond it the host searches
 SEARCH_WIDTH = 4096
+# history lengths of the prefill warm-up (:meth:`PagedDraftModel.warm_up`), beside a few just over the step's
+WARMUP_LENGTHS = (300, 1100, 2100)
 
 
 @dataclass
@@ -387,6 +389,21 @@ class PagedDraftModel:
             self._graphs_failed(e)
             return 0
         return len(self._graphs)
+
+    def warm_up(self) -> int:
+        """Run the eager prefill path (a prompt's or a catch-up's packed forwards, outside the step
+        graphs) over :data:`WARMUP_LENGTHS` histories (up to what the page tables reach), one and three
+        requests each, under temporary keys (nothing kept): at engine start instead of inside the first
+        requests, its Triton kernels compile once per variant they take (tree attention's key tile below
+        and from 256 keys, split-K for long prefixes at small batches, and Triton's specialisations of
+        token counts of 1, of multiples of 16 and of others). Returns the proposals run."""
+        S, cap = self.depth + 1, self.width * self.pool.page_size - self.depth - 1
+        lengths = sorted({min(n, cap) for n in (S + 2, S + 17, S + 32) + WARMUP_LENGTHS if min(n, cap) > S})
+        vocab = int(self.model.config.vocab_size)
+        for n in lengths:
+            for b in (1, 3):
+                self.propose([np.arange(n, dtype=np.int64) % vocab] * b, [self.depth] * b)
+        return 2 * len(lengths)
 
     def _graphs_failed(self, e: RuntimeError) -> None:
         """A capture was refused (e.g. a kernel that syncs): eager steps from now on, said once."""
