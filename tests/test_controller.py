@@ -150,14 +150,16 @@ def test_draft_trees_cut_to_the_chosen_budgets():
     assert none is None and full.token_ids.numel() >= tree.token_ids.numel()
 
 
-def test_drafting_time_counts_against_the_step():
+@pytest.mark.parametrize("fixed", ["draft_s", "rest_s"])
+def test_fixed_step_time_counts_against_the_step(fixed):
     """Compute-bound steps: a draft node pays only if its rho beats the tokens per token so far, so
-    none does; with a drafting time that dwarfs the step, every node does."""
+    none does; with a fixed time per step that dwarfs the forward (the drafting, or the rest: the
+    engine's host work around the forward and the drafting), every node does."""
     g = torch.Generator().manual_seed(5)
     full = best_first_slots(torch.arange(4), random_candidates(g, 4, 6, 4), 16, max_depth=6)
     ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None)
     assert ctl.choose(full.logrho, full.valid, [50] * 4).total == 0
-    ctl.draft_s = 1e3
+    setattr(ctl, fixed, 1e3)
     assert ctl.choose(full.logrho, full.valid, [50] * 4).total == int(full.valid.sum()) - 4
 
 
@@ -207,17 +209,6 @@ def test_active_params_of_an_moe():
     assert active_params(params, SimpleNamespace(num_experts=8, num_experts_per_tok=2)) == 48 + 30 + 120
     assert active_params(params, SimpleNamespace(num_local_experts=8, num_experts_per_tok=2)) == 48 + 30 + 120
     assert active_params(params, SimpleNamespace()) == 192 + 30 + 120
-
-
-def test_the_rest_of_the_step_counts_against_it():
-    """Host work around the forward and the drafting (scheduling, output processing) is a fixed cost of
-    the step like the drafting: with it large every node pays (without it none does, compute-bound)."""
-    g = torch.Generator().manual_seed(5)
-    full = best_first_slots(torch.arange(4), random_candidates(g, 4, 6, 4), 16, max_depth=6)
-    ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None)
-    assert ctl.choose(full.logrho, full.valid, [50] * 4).total == 0
-    ctl.rest_s = 1e3
-    assert ctl.choose(full.logrho, full.valid, [50] * 4).total == int(full.valid.sum()) - 4
 
 
 def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
