@@ -69,8 +69,15 @@
 # 1.01-1.18 tokens per tree step (the same prompts' worst was 2.13 at d8485d7). Next stay: `parts train selfdraft`
 # (alignment of the paged draft under graphs, ~3 min more), `matrix` for bole_tree/draft_model alone (~8 min),
 # `online` with ONLINE_MODES=bole_tree, then vLLM's chain's open cells.
-# 2026-12-03 (eighth session): the draft's search in one Triton launch: `install search` (run 3) checks it
-# against the twin on the H200 before any engine uses it; `matrix` with RESUME=1 completes a cut run's cells.
+# 2026-12-03 (eighth session, 59e0ecd): the plan that fit 1616 s: parts x2 (machine start 89 s), `install search`
+# with .pair/tiny (87 s; the kernel failed to compile, fixed between runs: `search` again, 25 s), `parts train
+# selfdraft` with .pair/data and TRAIN_MODELS="nemotron_h draft" (448 s), `matrix` with PARALLEL=1 E2E_SECONDS=500
+# TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (526 s: greedy
+# MT-Bench and HumanEval of all three, ShareGPT of AR and the chain; temperature 1 cut), `online` with
+# ONLINE_MODES=bole_tree (296 s; no warm-up, no tree graphs then), `draft` (80 s). Next stay: parts x2, `install
+# search`, `parts train`, `matrix` as above, `online` with TREE_GRAPHS=1 ONLINE_MODES=bole_tree (warm-up and graphs
+# now), then `matrix` with RESUME=1 (the cut cells: ShareGPT and temperature 1) or the n-gram engines
+# (E2E_ONLY="vllm_chain/ngram bole_tree/ngram"); `matrix` rows now name the kernels compiled while serving.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
