@@ -78,6 +78,8 @@
 # search`, `parts train`, `matrix` as above, `online` with TREE_GRAPHS=1 ONLINE_MODES=bole_tree (warm-up and graphs
 # now), then `matrix` with RESUME=1 (the cut cells: ShareGPT and temperature 1) or the n-gram engines
 # (E2E_ONLY="vllm_chain/ngram bole_tree/ngram"); `matrix` rows now name the kernels compiled while serving.
+# Keep that stay's pair (`keep` after `train`, KEEP="00 01 02", then three pieces with each later run: ~10 of
+# 16 MB): the stays after it carry the pieces (three a run) and `unpack` instead of `train` (~260 s saved).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -88,12 +90,36 @@ project() {
     python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | { grep -v "^WARNING: Target" || true; }
 }
 
-stage_parts() {  # whatever this run carried: bundle parts to /tmp/ch, pair data to /tmp/pd, tiny models
-    mkdir -p /tmp/ch /tmp/pd /tmp/tiny
+stage_parts() {  # whatever this run carried: bundle parts to /tmp/ch, pair data to /tmp/pd, tiny models, pieces of
+    # a kept pair (.pair/weights) to /tmp/pw
+    mkdir -p /tmp/ch /tmp/pd /tmp/tiny /tmp/pw
     cp .vllm-gpu/p0* /tmp/ch/ 2>/dev/null
     cp -r .pair/data/. /tmp/pd/ 2>/dev/null
     cp -r .pair/tiny/. /tmp/tiny/ 2>/dev/null
-    ls /tmp/ch /tmp/pd /tmp/tiny
+    cp .pair/weights/pair.* /tmp/pw/ 2>/dev/null
+    ls /tmp/ch /tmp/pd /tmp/tiny /tmp/pw
+}
+
+# Keeping the trained pair instead of training it in every stay (train 276 s of a stay's 1800; the pair then
+# also stays the same between stays): after `train`, `KEEP="00 01 02" stay.sh ... keep` puts those pieces
+# (xz-compressed tar of /tmp/pair's target, draft and train_pair.json, 16 MB each, with pair.sha256) into
+# $OUT, at most 3 a run beside a stage's own files (8 files and 64 MiB come back per run). On the CPU machine:
+# `mkdir -p .pair/weights && cp /work/.device/*/pair.* .pair/weights/ && (cd .pair/weights && sha256sum -c
+# pair.sha256)`. A later stay carries them (3 pieces a run beside the repository, `parts`), then `unpack`.
+stage_keep() {
+    if [ ! -f /tmp/pair_keep/pair.sha256 ]; then
+        mkdir -p /tmp/pair_keep
+        tar -C /tmp/pair -cf - nemotron_h draft train_pair.json | xz -T0 -1 | split -b 16000000 -d -a 2 - /tmp/pair_keep/pair.txz.
+        (cd /tmp/pair_keep && sha256sum pair.txz.* > pair.sha256)
+    fi
+    cp /tmp/pair_keep/pair.sha256 "$OUT/"
+    for i in ${KEEP:-}; do cp "/tmp/pair_keep/pair.txz.$i" "$OUT/"; done
+    cat /tmp/pair_keep/pair.sha256
+}
+
+stage_unpack() {  # the kept pair's pieces, all carried (`parts`), to /tmp/pair
+    (cd /tmp/pw && sha256sum -c --quiet pair.sha256) || { echo "pieces missing or damaged"; return 1; }
+    mkdir -p /tmp/pair && cat /tmp/pw/pair.txz.* | xz -d | tar -C /tmp/pair -xf - && ls /tmp/pair
 }
 
 stage_install() {
