@@ -8,6 +8,7 @@ partings with AR's margin between its token and the other run's). Writes ``pair_
 ``mode, streams, identical, ok, worst, noise, partings, problems``).
 
     python3 benchmarks/device/check_pair_noise.py --pair /tmp/pair --data /tmp/pd --tree-graphs
+    python benchmarks/device/check_pair_noise.py --pair PAIR --data DATA --eager --prompts 4 --tokens 16  # CPU
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def main() -> int:
     prompts = prompts_for(json.loads((args.data / "prompts.json").read_text()), "mt_bench", args.prompts)
     kw = engine_kwargs(argparse.Namespace(dtype="bfloat16", eager=args.eager, parallel=True,
                                           target=args.pair / "nemotron_h"))
+    if args.eager:  # the tiny checkpoints of a CPU dry run
+        kw["max_model_len"] = 512
     modes = {"ar": None, "bole_tree": spec_for("bole_tree", "draft_model", args.pair),
              "vllm_chain": spec_for("vllm_chain", "draft_model", args.pair, 3)}
 

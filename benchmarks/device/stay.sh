@@ -200,6 +200,14 @@ stage_selfdraft() {  # draft alignment in the e2e engines' configuration (after 
     grep -q '"aligned": true' "$OUT/self_draft.json"
 }
 
+stage_noise() {  # the pair's bf16 trees and vLLM's chain against AR's own noise (check_pair_noise.py; after train
+    # or unpack; three engines side by side, ~4 min)
+    project
+    timeout 420 python3 benchmarks/device/check_pair_noise.py --pair /tmp/pair --data /tmp/pd ${TREE_GRAPHS:+--tree-graphs} \
+        > "$OUT/pair_noise.log" 2>&1
+    tail -4 "$OUT/pair_noise.log" | cut -c1-300
+}
+
 stage_tinyprof() {  # host profile of the tree step at batch 1 and 32 (tiny bf16 NemotronH, tiny Llama paged draft)
     project
     for b in 1 32; do
