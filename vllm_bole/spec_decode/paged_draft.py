@@ -58,7 +58,7 @@ from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
-from vllm_bole.transfer import upload, upload_many
+from vllm_bole.transfer import pack, unpack, upload
 
 __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support"]
 logger = logging.getLogger("vllm_bole")
@@ -324,30 +324,33 @@ class PagedDraftModel:
             bufs["tree"].copy_(level_search_packed(bufs["root"], bufs["out_p"].masked_fill(cut, 0.0), bufs["out_t"],
                                                    bufs["caps"], self.slots, bufs["cal"], kernels=self.kernels))
 
+    def _inputs(self, B: int, search: bool) -> list[tuple[str, tuple, torch.dtype]]:
+        """The step's per-call inputs for ``B`` rows (name, shape, dtype), in the order they are packed: one
+        buffer crosses to the device per step (:meth:`_fill`)."""
+        S = self.depth + 1
+        out = [("tok", (B, S), torch.long), ("start", (B,), torch.long), ("count", (B,), torch.long),
+               ("table", (B, self.width), torch.int32)]
+        if search:
+            out += [("root", (B,), torch.long), ("dep", (B,), torch.long), ("caps", (B,), torch.long),
+                    ("cal", (MAX_DEPTH + 1, 3), torch.float32)]
+        return out
+
     def _buffers(self, B: int, steps: int, search: bool) -> dict:
-        """Inputs and outputs of :meth:`_step` for ``B`` rows, every row padding (:meth:`_pad`); with
-        ``search`` those of the tree search too."""
+        """Inputs and outputs of :meth:`_step` for ``B`` rows; with ``search`` those of the tree search too.
+        The inputs are views of one device buffer (``"inputs"``) that :meth:`_fill` overwrites with one copy."""
         dev, K, S = self.device, self.top_k, self.depth + 1
-        bufs = dict(tok=torch.empty(B, S, dtype=torch.long, device=dev),
-                    start=torch.empty(B, dtype=torch.long, device=dev),
-                    count=torch.empty(B, dtype=torch.long, device=dev),
-                    table=torch.empty(B, self.width, dtype=torch.int32, device=dev),
-                    out_t=torch.zeros(B, steps + 1, K, dtype=torch.long, device=dev),
+        like = [torch.empty(shape, dtype=dtype) for _, shape, dtype in self._inputs(B, search)]
+        _, spans = pack(like)
+        packed = torch.zeros(spans[-1][0] + spans[-1][1] + (-spans[-1][1] % 8), dtype=torch.uint8, device=dev)
+        bufs = dict(zip((name for name, _, _ in self._inputs(B, search)), unpack(packed, like, spans)))
+        bufs.update(inputs=packed, out_t=torch.zeros(B, steps + 1, K, dtype=torch.long, device=dev),
                     out_p=torch.zeros(B, steps + 1, K, dtype=torch.float32, device=dev),
                     mask=chain_mask([S] * B, dev), mask1=chain_mask([1] * B, dev))
+        bufs["count"].fill_(1)  # every row padding until the first fill (the graph's warm-up runs)
         if search:
-            bufs.update({k: torch.empty(B, dtype=torch.long, device=dev) for k in ("root", "dep", "caps")},
-                        cal=torch.ones(MAX_DEPTH + 1, 3, dtype=torch.float32, device=dev),
-                        tree=torch.zeros(B, self.slots, len(PACKED_FIELDS), dtype=torch.float64, device=dev))
-        self._pad(bufs)
+            bufs["cal"].fill_(1.0)
+            bufs["tree"] = torch.zeros(B, self.slots, len(PACKED_FIELDS), dtype=torch.float64, device=dev)
         return bufs
-
-    @staticmethod
-    def _pad(bufs: dict) -> None:
-        """Every row of ``bufs`` a padding row: one token at position 0, page table all trash page."""
-        for name, value in (("tok", 0), ("start", 0), ("count", 1), ("table", 0), ("root", 0), ("dep", 0), ("caps", 0)):
-            if name in bufs:
-                bufs[name].fill_(value)
 
     def _step_graph(self, B: int):
         """(graph, static buffers) of :meth:`_step` with ``depth - 1`` chain steps for a batch bucket of
@@ -495,15 +498,17 @@ class PagedDraftModel:
         """Every live request's uncached tokens but its last ``depth + 1`` (at least one: the root)
         through the draft eagerly (chunks of CHUNK per request and forward: prompts, catch-ups after
         an eviction); returns (history lengths [n], first tokens left for :meth:`_step` [n], page
-        table [n, W] on the device)."""
+        table [n, W] int32 numpy)."""
         dev, S = self.device, self.depth + 1
         L = np.array([len(hists[i]) for i in live], dtype=np.int64)
         start = np.array([min(self.pool.cached(k, hists[i]), len(hists[i]) - 1) for k, i in zip(keys, live)])
-        table = upload(torch.from_numpy(self.pool.table(keys, self.width)), dev)
+        host = self.pool.table(keys, self.width)
+        table = None  # on the device once a prefill forward needs it
         while True:
             rows = np.flatnonzero(L - start > S)
             if rows.size == 0:
                 break
+            table = upload(torch.from_numpy(host), dev) if table is None else table
             size = np.minimum(L[rows] - start[rows] - S, CHUNK)
             toks = np.concatenate([hists[live[r]][start[r] : start[r] + s] for r, s in zip(rows, size)])
             toks = toks.astype(np.int64)
@@ -515,22 +520,28 @@ class PagedDraftModel:
             start[rows] += size
         for k, i in zip(keys, live):
             self.pool.set_tokens(k, hists[i])
-        return L, start, table
+        return L, start, host
 
     def _fill(self, bufs: dict, live, hists, L, start, table, search: dict | None = None) -> None:
-        """The live rows' last tokens, start, count and page table (and the search's root, depth, caps
-        and calibration) into the first rows of ``bufs``, in one host-to-device copy."""
-        n, S = len(live), self.depth + 1
-        tok = np.zeros((n, S), dtype=np.int64)
+        """The live rows' last tokens, start, count and page-table row (and the search's root, depth, caps and
+        calibration) in the first rows of ``bufs``, the rest padding (one token at position 0, every page
+        the trash page, no draft nodes): built on the host, one host-to-device copy into ``bufs["inputs"]``
+        (was ~15 launches a step: fills, copies and uploads per field)."""
+        n, S, B = len(live), self.depth + 1, bufs["tok"].shape[0]
+        arrays = {name: np.zeros(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+                  for name, shape, dtype in self._inputs(B, "root" in bufs)}  # the buffers' layout
         for r, i in enumerate(live):
-            tok[r, : L[r] - start[r]] = hists[i][start[r] :]
-        arrays = [tok, start, L - start] + ([search["root"], search["dep"], search["caps"]] if search else [])
-        up = upload_many([torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays], self.device)
-        bufs["tok"][:n], bufs["start"][:n], bufs["count"][:n], bufs["table"][:n] = *up[:3], table
+            arrays["tok"][r, : L[r] - start[r]] = hists[i][start[r] :]
+        arrays["start"][:n], arrays["count"][:n], arrays["count"][n:] = start, L - start, 1
+        arrays["table"][:n] = table
+        if "cal" in arrays:  # a search's buffers (without ``search``: no draft nodes, root-only trees)
+            arrays["cal"][:] = 1.0
         if search:
-            bufs["root"][:n], bufs["dep"][:n], bufs["caps"][:n] = up[3:]
-            cal = search["cal"]
-            bufs["cal"].copy_(upload(cal.float(), self.device)) if cal is not None else bufs["cal"].fill_(1.0)
+            arrays["root"][:n], arrays["dep"][:n], arrays["caps"][:n] = search["root"], search["dep"], search["caps"]
+            if search["cal"] is not None:
+                arrays["cal"][:] = search["cal"].float().numpy()
+        host, _ = pack([torch.from_numpy(a) for a in arrays.values()], pin=self.device.type == "cuda")
+        bufs["inputs"].copy_(host, non_blocking=True)
 
     def _eager_step(self, live, hists, L, start, table, steps: int, search: dict | None = None) -> dict:
         """:meth:`_step` of the live rows without a graph (keys up to the longest history and its
@@ -546,7 +557,7 @@ class PagedDraftModel:
         device)."""
         L, start, table = self._prefill(live, hists, keys)
         bufs = self._eager_step(live, hists, L, start, table, 0)
-        return L, table, bufs["out_t"][:, 0], bufs["out_p"][:, 0]
+        return L, bufs["table"], bufs["out_t"][:, 0], bufs["out_p"][:, 0]
 
     def _live(self, live, hists, keys, D, search: dict | None = None) -> Callable:
         """Launch the live rows' step: the eager prefill, then the last catch-up forward, the chain
@@ -586,7 +597,6 @@ class PagedDraftModel:
         for s in range(0, len(live), BUCKETS[-1]):
             e = min(len(live), s + BUCKETS[-1])
             graph, bufs = self._step_graph(next(b for b in BUCKETS if b >= e - s))
-            self._pad(bufs)
             part = search and {k: v if k == "cal" else v[s:e] for k, v in search.items()}
             self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e], part)
             graph.replay()
