@@ -91,15 +91,14 @@ class Slots:
         local = np.arange(T) - cu[:-1][req]
         width = int(depth.max()) + 1
         path = np.full((T, width), -1, np.int64)
+        packed = np.zeros((T, (MAX_NODES + 31) // 32), np.int64)  # ancestor bits (self included), 32 a word
         pflat = np.where(parent >= 0, parent + cu[:-1][req], 0)
-        for d in range(width):  # breadth-first: a parent's row is complete before its children's
+        for d in range(width):  # breadth-first: a parent's rows are complete before its children's
             at = np.nonzero(depth == d)[0]
             path[at, :d] = path[pflat[at], :d]
             path[at, d] = local[at]
-        words = (MAX_NODES + 31) // 32
-        packed = np.zeros((T, words), np.int64)
-        r, k = np.nonzero(path >= 0)
-        np.add.at(packed, (r, path[r, k] // 32), np.left_shift(1, path[r, k] % 32))  # distinct bits: a sum is an OR
+            packed[at] = packed[pflat[at]] if d else 0
+            packed[at, local[at] // 32] |= np.left_shift(1, local[at] % 32)
         anc = np.where(packed >= 2**31, packed - 2**32, packed).astype(np.int32)
         t = torch.from_numpy
         return TreeBatch(token_ids=t(field("token")), parent=t(parent.astype(np.int32)), depth=t(depth.astype(np.int32)),

@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from vllm_bole.attention.tree_attention import tree_attention
-from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, Slots, best_first_slots, budgets, level_search_packed,
-                                              root_only_packed, unpack_slots)
+from vllm_bole.spec_decode.best_first import (EMPTY_SLOT, PACKED_FIELDS, ROOT_SLOT, Slots, best_first_slots, budgets,
+                                              level_search_packed, unpack_slots)
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
@@ -72,6 +72,7 @@ WORDS = (MAX_NODES + 31) // 32
 SEARCH_WIDTH = 4096
 # history lengths of the prefill warm-up (:meth:`PagedDraftModel.warm_up`), beside a few just over the step's
 WARMUP_LENGTHS = (300, 1100, 2100)
+EMPTY_ROW, ROOT_ROW = (np.array([slot[f] for f in PACKED_FIELDS]) for slot in (EMPTY_SLOT, ROOT_SLOT))
 
 
 @dataclass
@@ -476,9 +477,10 @@ class PagedDraftModel:
             return lambda: found
         D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
         keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D)
-        root = torch.as_tensor(roots, dtype=torch.long).flatten()
-        tree = root_only_packed(root, self.slots).numpy()  # root-only trees, then the live rows' searches
-        root = root.numpy()
+        root = np.asarray(roots, dtype=np.int64).reshape(-1)
+        tree = np.tile(EMPTY_ROW, (B, self.slots, 1))  # root-only trees, then the live rows' searches
+        tree[:, 0] = ROOT_ROW
+        tree[:, 0, PACKED_FIELDS.index("token")] = root
         fetch = None
         if live:
             search = dict(root=root[live], dep=np.array([dep[i] for i in live]), caps=caps.numpy()[live],
