@@ -109,7 +109,8 @@ stage_parts() {  # whatever this run carried: bundle parts to /tmp/ch, pair data
 stage_keep() {
     if [ ! -f /tmp/pair_keep/pair.sha256 ]; then
         mkdir -p /tmp/pair_keep
-        tar -C /tmp/pair -cf - nemotron_h draft train_pair.json | xz -T0 -1 | split -b 16000000 -d -a 2 - /tmp/pair_keep/pair.txz.
+        tar -C /tmp/pair -cf - nemotron_h draft train_pair.json | xz -T0 -1 \
+            | split -b 16000000 -d -a 2 - /tmp/pair_keep/pair.txz.
         (cd /tmp/pair_keep && sha256sum pair.txz.* > pair.sha256)
     fi
     cp /tmp/pair_keep/pair.sha256 "$OUT/"
@@ -144,8 +145,9 @@ stage_train() {
 }
 
 bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whole CUDA graphs; PARALLEL=1: engines
-    # started side by side, timed one at a time; RESUME=1: keep the cells this machine measured, run the rest; E2E_ONLY="ar/none
-    # bole_tree/block ...": only those engines; BUDGETS=4,8,16: the budgets swept (fewer cells per engine)
+    # started side by side, timed one at a time; RESUME=1: keep the cells this machine measured, run the rest;
+    # E2E_ONLY="ar/none bole_tree/block ...": only those engines; BUDGETS=4,8,16: the budgets swept (fewer cells
+    # per engine)
     project
     local only=()
     for e in ${E2E_ONLY:-}; do only+=(--only "$e"); done
@@ -194,8 +196,8 @@ stage_graphs() {  # the smoke with tree steps from whole CUDA graphs (VLLM_BOLE_
 stage_selfdraft() {  # draft alignment in the e2e engines' configuration (after `train`): the pair's draft as its own
     # target with chain-shaped trees must accept (nearly) the whole chain for every request (check_self_draft.py)
     project
-    timeout 300 python3 benchmarks/device/check_self_draft.py --model "${SELF_DRAFT_MODEL:-/tmp/pair/draft}" --data /tmp/pd \
-        --tree-graphs > "$OUT/self_draft.log" 2>&1
+    timeout 300 python3 benchmarks/device/check_self_draft.py --model "${SELF_DRAFT_MODEL:-/tmp/pair/draft}" \
+        --data /tmp/pd --tree-graphs > "$OUT/self_draft.log" 2>&1
     tail -6 "$OUT/self_draft.log" | cut -c1-200
     grep -q '"aligned": true' "$OUT/self_draft.json"
 }
@@ -203,8 +205,8 @@ stage_selfdraft() {  # draft alignment in the e2e engines' configuration (after 
 stage_noise() {  # the pair's bf16 trees and vLLM's chain against AR's own noise (check_pair_noise.py; after train
     # or unpack; three engines side by side, ~4 min)
     project
-    timeout 420 python3 benchmarks/device/check_pair_noise.py --pair /tmp/pair --data /tmp/pd ${TREE_GRAPHS:+--tree-graphs} \
-        > "$OUT/pair_noise.log" 2>&1
+    timeout 420 python3 benchmarks/device/check_pair_noise.py --pair /tmp/pair --data /tmp/pd \
+        ${TREE_GRAPHS:+--tree-graphs} > "$OUT/pair_noise.log" 2>&1
     tail -4 "$OUT/pair_noise.log" | cut -c1-300
 }
 
