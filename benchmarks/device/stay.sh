@@ -78,6 +78,8 @@
 # search`, `parts train`, `matrix` as above, `online` with TREE_GRAPHS=1 ONLINE_MODES=bole_tree (warm-up and graphs
 # now), then `matrix` with RESUME=1 (the cut cells: ShareGPT and temperature 1) or the n-gram engines
 # (E2E_ONLY="vllm_chain/ngram bole_tree/ngram"); `matrix` rows now name the kernels compiled while serving.
+# If time is left: `noise` (the pair's bf16 trees against AR's own noise, ~4 min) or TREE_GRAPHS=1 `profile` (where
+# the tree step's host time goes at c = 1 and 32: the next lever, ~3 ms of vLLM's and ~3 ms of ours a step).
 # Keep that stay's pair (`keep` after `train`, KEEP="00 01 02", then three pieces with each later run: ~10 of
 # 16 MB): the stays after it carry the pieces (three a run) and `unpack` instead of `train` (~260 s saved).
 set -uo pipefail
