@@ -192,17 +192,17 @@ def main() -> int:
         if server.error:
             rows.append(dict(base_row, error=server.error))
             print(server.error[-500:], flush=True)
-        if not server.error:  # untimed: kernels compiled and buckets seen before the first timed rate
+        else:  # an untimed round first: kernels compiled and buckets seen before the first timed rate
             warm = run_rate(server.base, str(target), sessions[::-1], max(args.rates), WARMUP_SESSIONS,
                             args.max_tokens, seed=len(args.rates))
             print(f"{mode}: warm-up {warm['turns']} turns in {warm['seconds']:.1f} s", flush=True)
-        for i, rate in enumerate(args.rates if not server.error else ()):
-            row = dict(base_row, **run_rate(server.base, str(target), sessions, rate, args.sessions,
-                                            args.max_tokens, seed=i))
-            rows.append(row)
-            print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-                              if k != "errors"}), flush=True)
-            (out / "e2e_online.json").write_text(json.dumps(dict(head, rows=rows), indent=1, default=str))
+            for i, rate in enumerate(args.rates):
+                row = dict(base_row, **run_rate(server.base, str(target), sessions, rate, args.sessions,
+                                                args.max_tokens, seed=i))
+                rows.append(row)
+                print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
+                                  if k != "errors"}), flush=True)
+                (out / "e2e_online.json").write_text(json.dumps(dict(head, rows=rows), indent=1, default=str))
         server.close()
         (out / "e2e_online.json").write_text(json.dumps(dict(head, rows=rows), indent=1, default=str))
     return 0

@@ -213,20 +213,20 @@ def test_active_params_of_an_moe():
 
 def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
     """``StepBudget``: the rest of a steady tree step = its whole interval (one step's start to the next)
-    minus its forward (start to sampled tokens) minus the drafting estimate; weighted, outliers clipped."""
+    minus its forward (start to sampled tokens) minus its own drafting; weighted, outliers clipped."""
     import vllm_bole.adapter.budget as budget
 
     clock = [0.0]
     monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
     sb = budget.StepBudget(config=None)
     sb.ctl = BudgetController(StepCostModel(roofline()), eps=None)
-    sb.ctl.draft_s = 0.003
     for step, interval in enumerate([0.010, 0.010, 0.010, 1.0]):  # the last one compiled kernels
         sb.start()
         sb.step_begun(4, tree=True, prefill=False, changed=False)
         sb.speculate(4)
         clock[0] += 0.002  # the forward, to the sampled tokens
         sb.observe(4, 20, 200.0)
+        sb.drafted(0.003)  # the next trees, launched and read within this step
         clock[0] += interval - 0.002
         if step == 2:
             assert sb.ctl.rest_s == pytest.approx(0.005)

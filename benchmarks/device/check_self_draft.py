@@ -11,7 +11,7 @@ where the same prompts' worst was 2.13 at d8485d7. The CPU path (eager, fp32) ac
 
 Cells as ``bench_e2e.py`` runs them (waves of ``concurrency`` requests, every MT-Bench prompt, the same
 engine arguments). Writes ``self_draft.json``: per cell the tokens per tree step of each request (min,
-p10, p50), the requests below ``--floor`` with their prompt lengths, and ``aligned`` (none below).
+p10, p50, p90), the requests below ``--floor`` with their prompt lengths, and ``aligned`` (none below).
 """
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -59,10 +57,8 @@ def main() -> int:
     for c, res in zip(args.concurrency, out["jobs"]):
         means = bench_e2e.per_request(res["stats"])
         low = sorted((m, rid) for rid, m in means.items() if m < floor)
-        q = np.quantile(list(means.values()), [0.0, 0.1, 0.5])
         prompt_len = lambda rid: len(prompts[int(rid.split("-")[0]) % len(prompts)])  # noqa: E731 - ids count up
-        rows.append(dict(concurrency=c, requests=len(means), min=round(float(q[0]), 3), p10=round(float(q[1]), 3),
-                         p50=round(float(q[2]), 3), num_low=len(low),
+        rows.append(dict(concurrency=c, requests=len(means), **bench_e2e.request_spread(res["stats"]), num_low=len(low),
                          low=[dict(request=rid, tokens_per_step=round(m, 3), prompt_tokens=prompt_len(rid))
                               for m, rid in low][:20]))
         print({k: v for k, v in rows[-1].items() if k != "low"}, flush=True)

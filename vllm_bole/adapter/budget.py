@@ -100,9 +100,12 @@ class StepBudget:
         self.predicted_s = choice.predicted_s
 
     def drafted(self, seconds: float) -> None:
-        """One drafting step took ``seconds``: the controller's drafting time, exponentially weighted."""
+        """The step under way drafted for ``seconds``: the controller's drafting time, exponentially weighted,
+        and the part of this step's interval that is not the rest (:meth:`step_begun`)."""
         if self.ctl is not None:
             self.ctl.draft_s = _weigh(self.ctl.draft_s, seconds)
+        if self.last is not None:
+            self.last["draft_s"] = seconds
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
@@ -116,7 +119,7 @@ class StepBudget:
         if last is not None and last["tree"] == last["decided"] and not last["prefill"] and not changed:
             self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"])
             if self.ctl is not None and "forward_s" in last:  # the controller's rest of a tree step
-                rest = self.t0 - last["t"] - last["forward_s"] - self.ctl.draft_s
+                rest = self.t0 - last["t"] - last["forward_s"] - last.get("draft_s", 0.0)
                 self.ctl.rest_s = _weigh(self.ctl.rest_s, max(rest, 0.0))
         self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, decided=None)
 

@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from vllm_bole.attention.tree_attention import tree_attention
-from vllm_bole.spec_decode.best_first import (EMPTY_SLOT, PACKED_FIELDS, ROOT_SLOT, Slots, best_first_slots, budgets,
-                                              level_search_packed, unpack_slots)
+from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, Slots, best_first_slots, budgets, level_search_packed,
+                                              root_only_packed, unpack_slots)
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
@@ -72,7 +72,6 @@ WORDS = (MAX_NODES + 31) // 32
 SEARCH_WIDTH = 4096
 # history lengths of the prefill warm-up (:meth:`PagedDraftModel.warm_up`), beside a few just over the step's
 WARMUP_LENGTHS = (300, 1100, 2100)
-EMPTY_ROW, ROOT_ROW = (np.array([slot[f] for f in PACKED_FIELDS]) for slot in (EMPTY_SLOT, ROOT_SLOT))
 
 
 @dataclass
@@ -221,6 +220,7 @@ class PagedDraftModel:
         self.slots = int(max_budget) + 1  # the tree search's slots per request (the root and the drafts)
         # the search's candidates per request and level; wider searches stay on the host (device memory)
         self.device_search = self.slots * (1 + self.top_k) <= SEARCH_WIDTH
+        self._root_only = root_only_packed(torch.zeros(1, dtype=torch.long), self.slots).numpy()  # [1, slots, F]
         self.width = -(-(int(max_len) + self.depth + 1) // page_size)  # page-table entries per request
         try:  # checks the loaded modules
             self.decoder = PagedDecoder(self.model, self.width * page_size)
@@ -341,8 +341,8 @@ class PagedDraftModel:
         The inputs are views of one device buffer (``"inputs"``) that :meth:`_fill` overwrites with one copy."""
         dev, K, S = self.device, self.top_k, self.depth + 1
         like = [torch.empty(shape, dtype=dtype) for _, shape, dtype in self._inputs(B, search)]
-        _, spans = pack(like)
-        packed = torch.zeros(spans[-1][0] + spans[-1][1] + (-spans[-1][1] % 8), dtype=torch.uint8, device=dev)
+        host, spans = pack(like)
+        packed = torch.zeros_like(host, device=dev)
         bufs = dict(zip((name for name, _, _ in self._inputs(B, search)), unpack(packed, like, spans)))
         bufs.update(inputs=packed, out_t=torch.zeros(B, steps + 1, K, dtype=torch.long, device=dev),
                     out_p=torch.zeros(B, steps + 1, K, dtype=torch.float32, device=dev),
@@ -478,8 +478,7 @@ class PagedDraftModel:
         D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
         keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D)
         root = np.asarray(roots, dtype=np.int64).reshape(-1)
-        tree = np.tile(EMPTY_ROW, (B, self.slots, 1))  # root-only trees, then the live rows' searches
-        tree[:, 0] = ROOT_ROW
+        tree = self._root_only.repeat(B, 0)  # root-only trees, then the live rows' searches
         tree[:, 0, PACKED_FIELDS.index("token")] = root
         fetch = None
         if live:
