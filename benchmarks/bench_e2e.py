@@ -187,7 +187,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    branch_by_depth=st.get("branch_by_depth"),
                    accept_len_by_request=request_spread(st, res["tokens"], EOS.get("id")))
         if cell["budget"] == "auto":  # the speculation switch: steps decoded plainly, its rates per batch bucket
-            row.update(plain_decode_steps=st.get("plain_decode_steps"), switch_rates=st.get("switch_rates"))
+            row.update(plain_decode_steps=st.get("plain_decode_steps"), switch_rates=st.get("switch_rates"),
+                       switch_samples=st.get("switch_samples"))
         if cell["budget"] == "auto" and st.get("budget_steps"):
             row.update(chosen_nodes_per_step=st["budget_nodes"] / st["budget_steps"],
                        predicted_step_ms=1000 * st["predicted_step_s"] / max(st["observed_steps"], 1),
@@ -267,9 +268,10 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> li
     rows = []
     for j, res in zip(jobs, out["jobs"]):
         if j.get("cell") is not None and "skipped" not in res:
+            # Triton kernels compiled while serving (vLLM's jit monitor): the engine's, and this cell's own
             rows.append(dict(row_of(eng, j["cell"], res), engine_start_s=out["start_s"], tree_graphs=graphs,
-                             jit_warnings=out.get("jit_warnings"), jit_kernels=out.get("jit_kernels")))
-            # (Triton kernels compiled while serving: vLLM's jit monitor)
+                             jit_warnings=out.get("jit_warnings"), jit_kernels=out.get("jit_kernels"),
+                             jit_compiled=res.get("jit_compiled")))
             print(_line(rows[-1]), flush=True)
     return rows
 

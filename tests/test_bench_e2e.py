@@ -97,3 +97,20 @@ def test_resume_runs_only_the_cells_not_yet_measured(monkeypatch, tmp_path):
     assert sorted(map(key, rows2)) == sorted(map(key, rows))
     rows3, ran3 = run()  # without it: everything again
     assert len(ran3) == len(ran)
+
+
+def test_a_job_names_the_kernels_compiled_while_it_ran():
+    """The engine child's jit log (``engine_run._JitLog``) keeps vLLM's jit-monitor warnings in order, kernel
+    and constants, so that each cell's row names its own compilations (``jit_compiled``)."""
+    import logging
+
+    from vllm_bole.testing.engine_run import _JitLog
+
+    jit, log = _JitLog(), logging.getLogger("vllm.utils.jit_monitor")
+    try:
+        log.warning("%s %s during inference: %s%s. This causes a latency spike; consider extending warmup",
+                    "Triton kernel", "JIT compilation", "_tree_attn_fwd", " (BLOCK_N=64)")
+        log.warning("something else")
+        assert jit.seen == ["_tree_attn_fwd (BLOCK_N=64)"]
+    finally:
+        log.removeHandler(jit)

@@ -64,7 +64,7 @@ def test_outliers_do_not_move_the_estimate():
     assert sw.rates(4) == {True: 10.0}
     for _ in range(5):
         sw.observe(4, True, 80, 1.0)
-    assert sw.rates(4) == {True: 20.0}
+    assert sw.rates(4) == {True: 20.0} and sw.samples(4) == {True: [[20.0, 1.0]] * 5}
     sw.observe(4, True, 0, 0.0)  # no time: ignored
     assert len(sw.buckets[4].samples[True]) == 5
 

@@ -528,13 +528,15 @@ class TreeRunnerMixin:
         controller's counters (budget_steps, budget_nodes, budget_last: the latest per-request
         budgets, observed_steps, predicted_step_s / measured_step_s: sums over observed steps;
         plain_decode_steps: steps the speculation switch had decode plainly; switch_rates: per batch
-        bucket its estimated tokens / s / request of tree steps and of plain decoding)."""
+        bucket its estimated tokens / s / request of tree steps and of plain decoding; switch_samples: the
+        samples behind them, [tokens per request, seconds] per step)."""
         budget = {}
         if self._bole_auto is not None:
             switch = self._bole_auto.switch
-            rates = {b: {"trees" if m else "plain": r for m, r in switch.rates(b).items()}
-                     for b in sorted(switch.buckets)}
-            budget = dict(self._bole_auto.stats, switch_rates=rates)
+            per_mode = lambda f: {b: {"trees" if m else "plain": v for m, v in f(b).items()}  # noqa: E731
+                                  for b in sorted(switch.buckets)}
+            budget = dict(self._bole_auto.stats, switch_rates=per_mode(switch.rates),
+                          switch_samples=per_mode(switch.samples))
         depth = slice(1, self.bole_config.depth + 1)
         cols = branch_columns(self._bole_kinds)
         branch = {c: cols[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}

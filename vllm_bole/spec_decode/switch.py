@@ -95,6 +95,11 @@ class SpeculationSwitch:
                 out[m] = sum(t for t, _ in kept) / sum(s for _, s in kept)
         return out
 
+    def samples(self, batch: int) -> dict:
+        """The bucket's samples per mode, oldest first: [[tokens per request, seconds], ...] (what
+        :meth:`rates` sums; exported to check it against the engine's own step times)."""
+        return {m: [list(x) for x in q] for m, q in self._bucket(batch).samples.items() if q}
+
     def best(self, batch: int) -> bool:
         """The mode with the higher estimated rate (trees on ties and before any sample)."""
         rate = self.rates(batch)

@@ -27,6 +27,7 @@ known bug into the tree runner (:data:`FAULTS`), to show that a check catches it
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -375,6 +376,21 @@ def _soak(llm, job, done: list) -> dict:
     return dict(requests=reqs, steps=step, memory=memory)
 
 
+class _JitLog(logging.Handler):
+    """vLLM's jit-monitor warnings of this process (an in-process engine's workers), kept in order, so that a
+    job's result names the kernels compiled while it ran (``jit_compiled``: kernel and constants)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+        logging.getLogger("vllm.utils.jit_monitor").addHandler(self)
+
+    def emit(self, record) -> None:
+        msg = record.getMessage()
+        if JIT_KERNEL.search(msg):
+            self.seen.append(msg.split("during inference: ", 1)[1].split(". This causes", 1)[0][:300])
+
+
 def _run(req) -> dict:
     if req["hf_job"] is not None:
         from vllm_bole.testing.tiny_models import hide_fla
@@ -382,7 +398,7 @@ def _run(req) -> dict:
         hide_fla()  # before vllm imports transformers
     if req["fault"]:
         FAULTS[req["fault"]]()
-    t0 = time.monotonic()
+    t0, jit = time.monotonic(), _JitLog()
     llm = _llm(req)
     out: dict = dict(start_s=time.monotonic() - t0, jobs=[])
     try:
@@ -399,8 +415,9 @@ def _run(req) -> dict:
                 llm.collective_rpc("bole_set_budget", args=(job["budget"],))
             warm = llm.collective_rpc("bole_warm_up") if job.get("warm_up") else None
             graphs = llm.collective_rpc("bole_capture_tree_graphs") if job.get("tree_graphs") else None
-            before, counters, t1 = _stats(llm, req), _counters(llm), time.monotonic()
+            before, counters, t1, compiled = _stats(llm, req), _counters(llm), time.monotonic(), len(jit.seen)
             res = dict(generate=_generate, mixed=_mixed, soak=_soak, gate=_gate)[job["kind"]](llm, job, out["jobs"])
+            res["jit_compiled"] = jit.seen[compiled:]
             res["seconds"] = time.monotonic() - t1
             res["stats"] = _stats_delta(before, _stats(llm, req))
             res["counters"] = {k: v - counters.get(k, 0) for k, v in _counters(llm).items()}
