@@ -78,6 +78,15 @@
 # search`, `parts train`, `matrix` as above, `online` with TREE_GRAPHS=1 ONLINE_MODES=bole_tree (warm-up and graphs
 # now), then `matrix` with RESUME=1 (the cut cells: ShareGPT and temperature 1) or the n-gram engines
 # (E2E_ONLY="vllm_chain/ngram bole_tree/ngram"); `matrix` rows now name the kernels compiled while serving.
+# 2026-12-04 (ninth session, 1fa7bd2): parts x3 + `install search` (234 s held, machine start included), `parts train
+# keep` (269 s), then the machine was taken back during `matrix` ("taken back for other work": 103 s and the pair
+# lost, its pieces 03-07 never came back). Restarted: parts x2, `install` (58 s), `parts train keep` (282 s),
+# `matrix keep` with KEEP="03 04 05" (537 s), `keep` with KEEP="06 07" (0.4 s): 1629 s in all. All 8 pieces of that
+# pair are in .pair/weights (sha256 checked), so the next stay carries them instead of training: after `install`,
+# three runs of `parts` carrying .pair/weights/pair.txz.0{0,1,2} (+ pair.sha256), .0{3,4,5}, .0{6,7} (16 MB each;
+# a run carries at most 64 MiB), then `unpack` beside the next stage. Next: `online` (TREE_GRAPHS=1
+# ONLINE_MODES=bole_tree), `RESUME=1 matrix` (the trees' fixed-budget ShareGPT and temperature-1 cells), then the
+# vLLM matrix (`mixed`, `e2e`); the auto rows now carry `switch_samples` and every row `jit_compiled` (per cell).
 # If time is left: `noise` (the pair's bf16 trees against AR's own noise, ~4 min) or TREE_GRAPHS=1 `profile` (where
 # the tree step's host time goes at c = 1 and 32: the next lever, ~3 ms of vLLM's and ~3 ms of ours a step).
 # Keep that stay's pair (`keep` after `train`, KEEP="00 01 02", then three pieces with each later run: ~10 of
