@@ -41,6 +41,7 @@ ENGINE_TIMEOUT_S = 600
 PROBE_CLS = "vllm_bole.testing.engine_run.PluginProbe"
 # vLLM's jit monitor: "Triton kernel JIT compilation during inference: <kernel> (<constants>). This causes..."
 JIT_KERNEL = re.compile(r"during inference: ([\w.]+)")
+JIT_COMPILED = re.compile(r"during inference: (.+?)\. This causes")  # the kernel with its constants
 # what an in-process engine run does first (``from vllm import LLM``; with ``hf_job`` after hiding FLA),
 # done once by a fork server (``isolation.forked_runs``)
 PRELOAD = "vllm.entrypoints.llm"
@@ -386,9 +387,9 @@ class _JitLog(logging.Handler):
         logging.getLogger("vllm.utils.jit_monitor").addHandler(self)
 
     def emit(self, record) -> None:
-        msg = record.getMessage()
-        if JIT_KERNEL.search(msg):
-            self.seen.append(msg.split("during inference: ", 1)[1].split(". This causes", 1)[0][:300])
+        m = JIT_COMPILED.search(record.getMessage())
+        if m:
+            self.seen.append(m.group(1)[:300])
 
 
 def _run(req) -> dict:
