@@ -15,9 +15,11 @@ run's ten minutes) and then lets one engine at a time run, stage by stage (``run
 on (vLLM's default FULL_AND_PIECEWISE; tree steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
 every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
 (dataset, temperature, concurrency): ``concurrency`` prompts per ``LLM.generate`` call, 128 new tokens
-each (``ignore_eos``), ``max(WAVES * concurrency, REQUESTS_MIN)`` requests per cell (at d8485d7 one
-wave of ``max(concurrency, 4)``: cells of 0.4-1.3 s beside engine starts of 120-150 s, too short to
-judge); datasets MT-Bench first turns, HumanEval prompts, held-out ShareGPT first turns (chat
+each (``ignore_eos``), ``max(WAVES * concurrency, REQUESTS_MIN)`` requests per cell, at most ``concurrency``
+in flight, a finished request replaced at once by the next (``vllm bench serve --max-concurrency``;
+until 6088b99 the requests went in groups of ``concurrency`` with a barrier after each, so a group lasted
+as long as its slowest request: on the H200 a tree engine's groups at c >= 8 took 1.6-3x the steps of
+their mean acceptance, AR's none); datasets MT-Bench first turns, HumanEval prompts, held-out ShareGPT first turns (chat
 template; ``pair_data.py``).
 
 Engines and cells (``ENGINES``): ``ar`` and ``vllm_chain`` (n-gram and ``draft_model`` at
@@ -32,8 +34,8 @@ run cut short still writes what it measured; unmeasured cells are absent.
 
 Per cell: ``tokens_per_s`` (output tokens / generate seconds), ``accept_len`` (tokens per request
 per target step: 1 for ``ar``; vLLM's spec-decode counters for ``vllm_chain``; the tree runner's
-counters for ours), ``tpot_ms`` (generate seconds per call / new tokens, averaged: the time per
-output token a request of that call saw, first token included), and for ours the split per step:
+counters for ours), ``tpot_ms`` (vLLM's TPOT: per request, from its first token to its last over its
+other tokens, averaged over the cell's requests), and for ours the split per step:
 ``draft_ms`` (``propose_ms`` of it the drafter's own, the rest building trees), ``verify_commit_ms``
 (tree verification and commit of the recurrent layers, inside the step), ``finish_ms`` (the tree
 step's results to the host, which waits for its forward, and the counters), ``forward_ms`` (the
@@ -163,11 +165,11 @@ def engines(part: str, quick: bool, targets: bool = False) -> list[dict]:
 def row_of(eng: dict, cell: dict, res: dict) -> dict:
     mode, conc = eng["mode"], cell["batch"]
     toks = sum(map(len, res["tokens"]))
-    groups = -(-len(res["tokens"]) // conc)
+    tpot = [(done - first) / (len(t) - 1) for (_, first, done), t in zip(res["times"], res["tokens"]) if len(t) > 1]
     row = dict(mode=mode, drafter=eng["drafter"], draft_beam=eng.get("draft_beam", 0),
                budget=cell["budget"] if mode.startswith("bole") else eng["k"],
                batch=conc, dataset=cell["dataset"], temperature=cell["temperature"],
-               tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * res["generate_s"] / groups / MAX_TOKENS,
+               tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * float(np.mean(tpot)) if tpot else None,
                requests=len(res["tokens"]), tokens=toks, seconds=res["generate_s"])
     if not cell["temperature"]:  # greedy: each request's output, for the comparison with AR (same_as_ar)
         row["digests"] = [hashlib.sha1(str(list(t)).encode()).hexdigest()[:10] for t in res["tokens"]]

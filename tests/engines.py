@@ -8,7 +8,8 @@ Per architecture:
   through the prefill path: the engine's own noise), transformers' teacher-forced
   reference on them, and the constrained and sampled jobs of the architectures that have them;
 * ``draft_model``: tree speculation with the target as its own drafter, the same jobs;
-* ``ngram``: tree speculation with the n-gram drafter, greedy only.
+* ``ngram``: tree speculation with the n-gram drafter, greedy only (Llama: also with at most 3 requests in
+  flight).
 """
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ class Engines:
         jobs = {"greedy": engine_run.generate_job(prompts, MAX_TOKENS, logprobs=logprobs_k(arch),
                                                   rescore=logprobs_k(arch) if kind == "base" else None)}
         if kind == "ngram":
+            if arch == "llama":  # the benchmarks' concurrency: at most 3 in flight, refilled as they finish
+                jobs["refill"] = engine_run.generate_job(prompts, MAX_TOKENS, concurrency=3)
             return jobs
         if arch in CONSTRAINED_ARCHS:
             jobs["constrained"] = engine_run.generate_job(prompts, MAX_TOKENS, sampling=CONSTRAINED)

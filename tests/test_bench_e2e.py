@@ -38,7 +38,8 @@ def stand_in(timed: list, running: list | None = None, lock=threading.Lock()):
                 if running is not None:
                     running.remove(name)
             n = len(job["prompts"])
-            results.append(dict(tokens=[[1] * job["max_tokens"]] * n, generate_s=0.1, stats=None, counters={}))
+            results.append(dict(tokens=[[1] * job["max_tokens"]] * n, generate_s=0.1, times=[[0.0, 0.01, 0.1]] * n,
+                                stats=None, counters={}))
         return dict(jobs=results, start_s=0.0)
     return fake_engine
 

@@ -93,6 +93,19 @@ def test_ngram_greedy_equal(engines, arch):
     assert st["tree_steps"] >= 10 and st["mixed_tree_steps"] >= 1
 
 
+def test_bounded_concurrency_refills_and_keeps_outputs(engines):
+    """``generate_job(concurrency=3)`` (the benchmarks' cells): never more than 3 requests in flight, the next
+    one submitted when one finishes, and the greedy streams those of the whole batch at once."""
+    run = engines.run("llama", "ngram")
+    refill, whole = run["refill"], run["greedy"]
+    assert refill["tokens"] == whole["tokens"]
+    times = refill["times"]
+    for sub, _, _ in times:
+        assert sum(s <= sub < f for s, _, f in times) <= 3
+    assert times[3][0] >= min(f for _, _, f in times[:3])
+    assert all(s <= first <= f for s, first, f in times)
+
+
 def test_engine_log_says_tree_speculation_is_on(engines):
     # the plugin's INFO line at engine start (vLLM's log, not a worker-only logger)
     lines = engines.run("llama", "ngram")["plugin_lines"]

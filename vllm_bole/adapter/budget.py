@@ -18,13 +18,14 @@ import time
 import torch
 
 from vllm_bole.spec_decode.controller import BudgetController, Choice, Roofline, StepCostModel
-from vllm_bole.spec_decode.switch import OUTLIER, SpeculationSwitch
+from vllm_bole.spec_decode.switch import SpeculationSwitch
 
 # device-name substring -> (bytes / s, flop / s)
 DEVICES = {"H200": (4.8e12, 9.89e14), "H100": (3.35e12, 9.89e14), "H20": (4.0e12, 1.48e14),
            "A100": (2.0e12, 3.12e14), "L40S": (8.64e11, 3.62e14), "L4": (3.0e11, 1.21e14)}
 CPU = (2.0e10, 2.0e11)
 OVERHEAD_S = {"cuda": 1e-4, "cpu": 1e-3}
+OUTLIER = 4.0  # a drafting time or step rest over this many times its estimate (kernels compiled) counts as that much
 
 
 def device_roofline(device: torch.device) -> tuple[float, float]:
@@ -58,6 +59,7 @@ class StepBudget:
         self.predicted_s: float | None = None
         self.switch = SpeculationSwitch()
         self.last: dict | None = None  # the engine step under way, as the switch samples it
+        self.decided: bool | None = None  # the switch's choice for the next step (None: it made none)
         self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], observed_steps=0,
                           predicted_step_s=0.0, measured_step_s=0.0, plain_decode_steps=0)
 
@@ -113,15 +115,19 @@ class StepBudget:
     def step_begun(self, batch: int, tree: bool, prefill: bool, changed: bool) -> None:
         """An engine step of ``batch`` requests began at :meth:`start` (a tree step or not; with prompt
         tokens or not; ``changed``: requests arrived, finished or resumed since the previous step): the
-        previous step, from its beginning to this one's, is a sample of the switch when it ran steady
-        (in the mode its own drafting chose), decoded only and kept its requests."""
+        previous step, when it decoded only, is a sample of the switch: its tokens always, its duration
+        (from its beginning to this one's) when it was steady (in the mode the switch chose for it, that of
+        the step before it) and kept its requests."""
         last = self.last
-        if last is not None and last["tree"] == last["decided"] and not last["prefill"] and not changed:
-            self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"])
-            if self.ctl is not None and "forward_s" in last:  # the controller's rest of a tree step
+        if last is not None and not last["prefill"]:
+            steady = last["steady"] and not changed
+            self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"] if steady else None)
+            if steady and self.ctl is not None and "forward_s" in last:  # the controller's rest of a tree step
                 rest = self.t0 - last["t"] - last["forward_s"] - last.get("draft_s", 0.0)
                 self.ctl.rest_s = _weigh(self.ctl.rest_s, max(rest, 0.0))
-        self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, decided=None)
+        steady = last is not None and last["tree"] == tree and self.decided in (None, tree)
+        self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, steady=steady)
+        self.decided = None
 
     def emitted(self, tokens: int) -> None:
         """The tree step under way emitted ``tokens`` tokens (a plain decode step: one per request)."""
@@ -129,11 +135,9 @@ class StepBudget:
 
     def speculate(self, batch: int) -> bool:
         """Whether the next step of ``batch`` requests drafts trees (the switch's decision)."""
-        decided = self.switch.decide(batch)
-        if self.last is not None:
-            self.last["decided"] = decided
-        self.stats["plain_decode_steps"] += not decided
-        return decided
+        self.decided = self.switch.decide(batch)
+        self.stats["plain_decode_steps"] += not self.decided
+        return self.decided
 
     def observe(self, num_requests: int, tokens: int, kv_tokens: float) -> tuple[float, float] | None:
         """The tree step begun at :meth:`start` has its sampled tokens on the host; returns (predicted,

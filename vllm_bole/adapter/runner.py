@@ -529,7 +529,8 @@ class TreeRunnerMixin:
         budgets, observed_steps, predicted_step_s / measured_step_s: sums over observed steps;
         plain_decode_steps: steps the speculation switch had decode plainly; switch_rates: per batch
         bucket its estimated tokens / s / request of tree steps and of plain decoding; switch_samples: the
-        samples behind them, [tokens per request, seconds] per step)."""
+        samples behind them, per mode {"tokens": per request of its latest decode steps, "seconds": of its
+        latest steady steps})."""
         budget = {}
         if self._bole_auto is not None:
             switch = self._bole_auto.switch

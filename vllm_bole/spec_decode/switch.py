@@ -8,26 +8,32 @@ step cannot use) it does not see. Seen on the H200 (711675d, a 70M hybrid with a
 steps 0.2-0.33x plain decoding at 8-128 concurrent requests, 1.1x at 1. So the engine measures
 both modes, as the user sees them, and keeps the faster one:
 
-* a sample is one engine step, from one input preparation to the next (scheduler and output
-  processing included), in a steady mode (the step ran in the mode its own drafting chose: the
-  first step after a switch carries the switch's cost and is not a sample), decoding only, with the
-  same requests at its end as at its beginning (none arrived, finished or resumed: an engine idle
-  between requests never lands in a sample); a bucket (the batch size rounded up to a power of two)
-  estimates a mode's rate as tokens emitted per request over seconds, both summed over its last
-  ``window`` samples (``1 / TPOT`` of that stretch), leaving out steps over ``OUTLIER`` times the
-  window's median step time (a step that compiled kernels);
+* a bucket (the batch size rounded up to a power of two) estimates a mode's rate as the mean tokens a
+  step emits per request, over that mode's last ``yields`` decode steps, divided by the median seconds
+  of its last ``window`` steady steps (``1 / TPOT`` of that mode);
+* a step's tokens count whenever it decoded only (no prompt tokens in it); its seconds, from one input
+  preparation to the next (scheduler and output processing included), only when it was steady: it ran
+  in the same mode as the step before it (the first step after a switch carries the switch's cost: the
+  draft catching up on the tokens decoded plainly) and kept its requests (none arrived, finished or
+  resumed: an engine idle between requests never lands in a sample); the median leaves out a step that
+  compiled kernels;
 * a bucket first runs ``probe`` steps of each mode (trees first), then the faster mode, and every
-  ``explore_every`` steps ``probe`` steps of the other one (its estimate follows acceptance and
-  context lengths as they change): the slower mode takes at most ``probe / explore_every`` of
-  the steps.
+  ``explore_every`` steps ``probe`` steps of the other one (its estimate follows acceptance and context
+  lengths as they change): the slower mode takes at most ``probe / explore_every`` of the steps; while
+  the slower mode's estimate is within two standard errors of the faster one's, its probes come every
+  ``4 * probe`` steps instead (an unlucky first probe of trees is corrected within a few probes).
 
-Seen on the H200 at d8485d7 before these rules: the first samples of a bucket, taken across the
-pause between two batches of requests and in the warm-up, rated a mode 10-700x too low, and an
-exponentially weighted estimate took hundreds of steps to recover. At 59e0ecd the estimate was the
-median of the last 5 samples' rates: a tree step emits 1 to 9 tokens, so that median fell below
-plain decoding's whenever 3 of 5 steps accepted little, the switch went plain for ``explore_every``
-steps at once, and trees ran 13% of the steps at one request although they emitted 1.46x plain
-decoding's tokens per second (MT-Bench, the 70M pair): hence sums over a longer window.
+Why tokens and seconds apart, over windows of different lengths: a tree step emits 1 to 9 tokens per
+request while its duration varies by a few percent, and the switch stops running trees exactly when
+their recent tokens dip (and then refreshes their estimate only ``probe`` steps in ``explore_every``),
+so a short window of tokens leaves the estimate at its low. Seen on the H200 at 6088b99 (the 70M pair,
+one request, MT-Bench): with the sums over the last 16 steady steps the switch rated trees at 363
+tokens/s against plain decoding's 482 (their last 16 samples emitted 2.4 tokens a step; all its tree
+steps emitted 4.06) and decoded plainly 91% of the steps, where a fixed budget of 16 delivered 603
+tokens/s with trees alone (``tests/test_switch.py`` reproduces it: trees at 1.2x plain decoding ran 12-18%
+of the steps; now 86-97%, delivering 0.96-0.98x the faster mode's rate at 0.8-1.46x). Before that
+(59e0ecd) the estimate was the median of the last 5 samples' rates, which fell below plain decoding's
+whenever 3 of 5 steps accepted little.
 """
 from __future__ import annotations
 
@@ -36,12 +42,12 @@ import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["SpeculationSwitch"]
-OUTLIER = 4.0  # a sample whose step took this many times the window's median step time is left out
 
 
 @dataclass
 class _Bucket:
-    samples: dict  # speculate (bool) -> deque of the latest (tokens per request, seconds)
+    yields: dict  # speculate (bool) -> deque of the latest decode steps' tokens per request
+    seconds: dict  # speculate (bool) -> deque of the latest steady steps' seconds
     mode: bool = True
     left: int = 0  # steps of the current run still to take in ``mode``
     steps: int = 0
@@ -50,23 +56,27 @@ class _Bucket:
 
 @dataclass
 class SpeculationSwitch:
-    probe: int = 4  # steps per probe of a mode (the first is the switch's, not a sample)
+    probe: int = 4  # steps per probe of a mode (the first is the switch's, not timed)
     explore_every: int = 128  # steps between probes of the slower mode
-    window: int = 16  # samples per mode and bucket in the estimate
+    window: int = 16  # steady steps' seconds per mode and bucket in the estimate
+    yields: int = 128  # decode steps' tokens per mode and bucket in the estimate
     buckets: dict = field(default_factory=dict)  # power of two -> _Bucket
 
     def __post_init__(self):
         if not self.probe >= 2:
-            raise ValueError(f"probe: must be >= 2 (got {self.probe}): a probe's first step is not a sample")
+            raise ValueError(f"probe: must be >= 2 (got {self.probe}): a probe's first step is not timed")
         if not self.explore_every > self.probe:
             raise ValueError(f"explore_every: must be > probe ({self.probe}) (got {self.explore_every})")
         if not self.window >= 1:
             raise ValueError(f"window: must be >= 1 (got {self.window})")
+        if not self.yields >= 1:
+            raise ValueError(f"yields: must be >= 1 (got {self.yields})")
 
     def _bucket(self, batch: int) -> _Bucket:
         key = 1 << max(int(batch) - 1, 0).bit_length()
         if key not in self.buckets:
-            self.buckets[key] = _Bucket({m: collections.deque(maxlen=self.window) for m in (True, False)})
+            self.buckets[key] = _Bucket({m: collections.deque(maxlen=self.yields) for m in (True, False)},
+                                        {m: collections.deque(maxlen=self.window) for m in (True, False)})
         return self.buckets[key]
 
     def decide(self, batch: int) -> bool:
@@ -74,38 +84,53 @@ class SpeculationSwitch:
         b = self._bucket(batch)
         b.steps += 1
         if b.left == 0:
-            unseen = [m for m in (True, False) if not b.samples[m]]
+            unseen = [m for m in (True, False) if not (b.seconds[m] and b.yields[m])]
             best = self.best(batch)
             if unseen:  # a first probe: the next one of the slower mode ``explore_every`` steps later
                 b.mode, b.left, b.next_probe = unseen[0], self.probe, b.steps + self.explore_every
             elif b.steps >= b.next_probe:
-                b.mode, b.left, b.next_probe = not best, self.probe, b.steps + self.explore_every
+                b.mode, b.left, b.next_probe = not best, self.probe, b.steps + self._interval(b, not best)
             else:
                 b.mode, b.left = best, 1
         b.left -= 1
         return b.mode
 
+    def _interval(self, b: _Bucket, slower: bool) -> int:
+        """Steps until the probe after this one of the ``slower`` mode: ``explore_every``, or ``4 * probe``
+        while its estimate is within two standard errors of the faster one's (its tokens' spread over
+        their count: a few unlucky tree steps must not keep it out for ``explore_every`` steps)."""
+        y, rate = b.yields[slower], self.rates_of(b)
+        if len(y) < 2 or len(rate) < 2:
+            return self.explore_every
+        se = statistics.stdev(y) / statistics.fmean(y) / len(y) ** 0.5 if statistics.fmean(y) > 0 else 0.0
+        return 4 * self.probe if rate[slower] * (1 + 2 * se) >= rate[not slower] else self.explore_every
+
     def rates(self, batch: int) -> dict:
-        """The bucket's estimate per mode (tokens / s / request; a mode without samples is absent)."""
-        out = {}
-        for m, q in self._bucket(batch).samples.items():
-            if q:
-                cut = OUTLIER * statistics.median(s for _, s in q)
-                kept = [(t, s) for t, s in q if s <= cut]
-                out[m] = sum(t for t, _ in kept) / sum(s for _, s in kept)
-        return out
+        """The bucket's estimate per mode (tokens / s / request; a mode without tokens and seconds is absent)."""
+        return self.rates_of(self._bucket(batch))
+
+    @staticmethod
+    def rates_of(b: _Bucket) -> dict:
+        return {m: statistics.fmean(b.yields[m]) / statistics.median(b.seconds[m])
+                for m in (True, False) if b.yields[m] and b.seconds[m]}
 
     def samples(self, batch: int) -> dict:
-        """The bucket's samples per mode, oldest first: [[tokens per request, seconds], ...] (what
-        :meth:`rates` sums; exported to check it against the engine's own step times)."""
-        return {m: [list(x) for x in q] for m, q in self._bucket(batch).samples.items() if q}
+        """The bucket's samples per mode, oldest first: {"tokens": per request, "seconds": ...} (what
+        :meth:`rates` reads; exported to check it against the engine's own step times)."""
+        b = self._bucket(batch)
+        return {m: dict(tokens=list(b.yields[m]), seconds=list(b.seconds[m])) for m in (True, False) if b.yields[m]}
 
     def best(self, batch: int) -> bool:
         """The mode with the higher estimated rate (trees on ties and before any sample)."""
         rate = self.rates(batch)
         return rate.get(True, 0.0) >= rate.get(False, 0.0)
 
-    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """One steady step of ``batch`` requests emitted ``tokens`` tokens in ``seconds``."""
-        if batch > 0 and seconds > 0 and tokens >= 0:
-            self._bucket(batch).samples[speculated].append((tokens / batch, seconds))
+    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float | None) -> None:
+        """A decode step of ``batch`` requests emitted ``tokens`` tokens; ``seconds``: its duration when it was
+        steady, else None."""
+        if batch <= 0 or tokens < 0:
+            return
+        b = self._bucket(batch)
+        b.yields[speculated].append(tokens / batch)
+        if seconds is not None and seconds > 0:
+            b.seconds[speculated].append(seconds)

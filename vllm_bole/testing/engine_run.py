@@ -84,7 +84,8 @@ def generate_job(prompts, max_tokens: int = 64, *, logprobs: int | None = None, 
     """``sampling``: extra ``SamplingParams`` fields for every prompt, or a list of them, one per prompt.
     A ``stop_token_ids`` value ``{"from_job": j, "prompt": p, "start": a, "end": b}`` means the distinct
     tokens ``a:b`` of an earlier job's stream ``p``. ``budget``: the tree node budget from this job on
-    (``bole_set_budget``). ``concurrency``: prompts go in groups of that many, one ``generate`` each.
+    (``bole_set_budget``).
+    ``concurrency``: at most that many requests in flight, each finished one replaced by the next (:func:`_stream`).
     ``warm_up``: the tree runner's warm-up steps first (``bole_warm_up``; its report in ``warm_up``).
     ``tree_graphs``: then the tree-step graphs (``bole_capture_tree_graphs``, with ``VLLM_BOLE_TREE_GRAPHS=1``
     in the engine's environment; its bucket count in ``tree_graphs``)."""
@@ -282,11 +283,9 @@ def _generate(llm, job, done: list) -> dict:
         if job["logprobs"]:
             sp["logprobs"] = job["logprobs"]
         params.append(SamplingParams(**sp))
-    t0, outs, group = time.monotonic(), [], job.get("concurrency") or len(job["prompts"])
-    for g in range(0, len(params), group):
-        outs += llm.generate([dict(prompt_token_ids=p) for p in job["prompts"][g: g + group]], params[g: g + group],
-                             use_tqdm=False)
-    out = dict(tokens=[list(o.outputs[0].token_ids) for o in outs], generate_s=time.monotonic() - t0, top=None)
+    outs, times, t0 = _stream(llm, job["prompts"], params, job.get("concurrency") or len(params))
+    out = dict(tokens=[list(o.outputs[0].token_ids) for o in outs], generate_s=time.monotonic() - t0, top=None,
+               times=times)
     if job["logprobs"]:
         out["top"] = [_top_rows(o.outputs[0].logprobs) for o in outs]
     if job["rescore"]:
@@ -295,6 +294,28 @@ def _generate(llm, job, done: list) -> dict:
         again = llm.generate(full, sp, use_tqdm=False)
         out["rescored"] = [_top_rows(o.prompt_logprobs[len(p):]) for o, p in zip(again, job["prompts"])]
     return out
+
+
+def _stream(llm, prompts, params, limit: int):
+    """``prompts`` through the engine with at most ``limit`` requests in flight, a finished one replaced at once
+    by the next (``vllm bench serve --max-concurrency``; all at once: ``LLM.generate``'s own loop). Returns
+    the final outputs in submission order, per request [submitted, first token, finished] seconds from the
+    start, and the start (``time.monotonic``)."""
+    engine, t0 = llm.llm_engine, time.monotonic()
+    ids = [str(next(llm.request_counter)) for _ in prompts]
+    final, times, nxt, live = {}, {}, 0, 0
+    while nxt < len(prompts) or live:
+        while nxt < len(prompts) and live < limit:
+            engine.add_request(ids[nxt], dict(prompt_token_ids=prompts[nxt]), params[nxt])
+            times[ids[nxt]] = [time.monotonic() - t0, None, None]
+            nxt, live = nxt + 1, live + 1
+        for o in engine.step():
+            t = times[o.request_id]
+            if t[1] is None and o.outputs and o.outputs[0].token_ids:
+                t[1] = time.monotonic() - t0
+            if o.finished:
+                t[2], final[o.request_id], live = time.monotonic() - t0, o, live - 1
+    return [final[i] for i in ids], [times[i] for i in ids], t0
 
 
 def _gate(llm, job, done: list) -> dict:
