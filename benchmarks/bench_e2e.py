@@ -186,7 +186,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    prepare_vllm_ms=1000 * st.get("prepare_vllm_s", 0.0) / max(st["steps"], 1),
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
-                   branch_by_depth=st.get("branch_by_depth"),
+                   branch_by_depth=st.get("branch_by_depth"), slow_steps=st.get("slow_steps"),
                    accept_len_by_request=request_spread(st, res["tokens"], EOS.get("id")))
         if cell["budget"] == "auto":  # the speculation switch: steps decoded plainly, its rates per batch bucket
             row.update(plain_decode_steps=st.get("plain_decode_steps"), switch_rates=st.get("switch_rates"),

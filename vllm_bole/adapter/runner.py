@@ -67,6 +67,7 @@ DRAFT_KV_BYTES = {True: 4 << 30, False: 256 << 20}  # the paged draft's KV pool 
 # tree steps whose KV slots are checked against vLLM's slot mapping (a device sync each: the first ones
 # check the engine's configuration; the mapping follows from the same block tables afterwards)
 CHECKED_STEPS = 16
+SLOW_FORWARD_S = 0.02  # a tree step's forward over this is logged (``slow_steps``): 0.6-1.2 ms from a graph on the H200
 
 
 def _first_rank() -> bool:
@@ -144,6 +145,9 @@ class TreeRunnerMixin:
         self._bole_forward_timer: _ForwardTimer | None = None
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
+        # tree steps whose target forward took over SLOW_FORWARD_S: [tree step, requests, nodes, plain rows beside
+        # them, replayed from a whole graph, forward ms] (where a stall came from: a new kernel specialisation?)
+        self._bole_slow_log: collections.deque = collections.deque(maxlen=1000)
         self._bole_calibration = Calibration()  # decaying: the builder's factors
         self._bole_kinds = torch.zeros_like(self._bole_calibration.counts)  # since start: the stats
         self._bole_metrics = WorkerMetrics(snapshot_path(self.vllm_config) if _first_rank() else None)
@@ -470,8 +474,11 @@ class TreeRunnerMixin:
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
         host = res.to("cpu")  # the step's results on the host: its forward has run
         if self._bole_forward_timer is not None:
-            self._bole_stats["forward_s"] += self._bole_forward_timer.seconds()
-            self._bole_forward_timer = None
+            fwd, self._bole_forward_timer = self._bole_forward_timer.seconds(), None
+            self._bole_stats["forward_s"] += fwd
+            if fwd > SLOW_FORWARD_S:
+                self._bole_slow_log.append([self._bole_stats["tree_steps"], tree.num_requests, tree.num_nodes, P,
+                                            graphs is not None and graphs.bucket is not None, round(1000 * fwd, 1)])
         grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int64)
         if P:
             grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
@@ -521,7 +528,9 @@ class TreeRunnerMixin:
         of it vLLM's own), ``forward_s`` the target forward of tree steps (device time on CUDA),
         ``verify_commit_s`` per tree step (host, until the results are queued), ``finish_s`` the tree
         step's sampler output after that (results to the host, counters)) and the per-step log of
-        (request, drafted greedy-chain length, accepted draft nodes); ``branch_by_depth``: per depth
+        (request, drafted greedy-chain length, accepted draft nodes); ``slow_steps``: the tree steps whose
+        forward took over ``SLOW_FORWARD_S`` (tree step, requests, nodes, plain rows, from a whole graph, ms);
+        ``branch_by_depth``: per depth
         1..max_depth, main-path and sibling nodes reached and accepted since the engine started;
         ``calibration``: per node kind (main, branch, off) and depth the recent acceptance rates and
         the builder's factors (``spec_decode.calibration``); with ``budget: "auto"`` the
@@ -543,7 +552,7 @@ class TreeRunnerMixin:
         branch = {c: cols[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}
         return dict(self._bole_stats, **budget, branch_by_depth=branch,
                     calibration=self._bole_calibration.rates(self.bole_config.depth),
-                    accept_log=list(self._bole_accept_log))
+                    accept_log=list(self._bole_accept_log), slow_steps=list(self._bole_slow_log))
 
     # ------------------------------------------------------------------ tree step
     def _bole_build_step(self, scheduler_output, num_scheduled_tokens) -> tuple:

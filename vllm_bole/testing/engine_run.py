@@ -244,15 +244,16 @@ def _counters(llm) -> dict:
 
 
 def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Counters as differences (``branch_by_depth``'s per-depth counts too); the accept log from where it
-    stood; other values (lists, rates) as they are now."""
+    """Counters as differences (``branch_by_depth``'s per-depth counts too); the accept log and the slow
+    steps from where they stood; other values (lists, rates) as they are now."""
     if after is None:
         return None
     out = {k: v - before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in after.items()}
     if "branch_by_depth" in after:
         out["branch_by_depth"] = {c: [a - b for a, b in zip(v, before["branch_by_depth"][c])]
                                   for c, v in after["branch_by_depth"].items()}
-    out["accept_log"] = after["accept_log"][len(before["accept_log"]):]
+    for log in ("accept_log", "slow_steps"):
+        out[log] = after.get(log, [])[len(before.get(log, [])):]
     return out
 
 
