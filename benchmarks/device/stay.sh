@@ -91,6 +91,11 @@
 # the tree step's host time goes at c = 1 and 32: the next lever, ~3 ms of vLLM's and ~3 ms of ours a step).
 # Keep that stay's pair (`keep` after `train`, KEEP="00 01 02", then three pieces with each later run: ~10 of
 # 16 MB): the stays after it carry the pieces (three a run) and `unpack` instead of `train` (~260 s saved).
+# 2026-12-04 (tenth session, 6088b99): parts x2, `install` (53 s), `parts` with pieces 00-02 + pair.sha256, `parts`
+# with 03-05, then `parts unpack matrix` with 06-07 + .pair/data and PARALLEL=1 E2E_SECONDS=500 TREE_GRAPHS=1
+# BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (533 s): 674 s held, and the
+# machine went back before a next run was sent (a reply read slowly: keep the next command ready). Found there:
+# cells ran their requests in groups with a barrier (fixed since: at most `concurrency` in flight, refilled).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"

@@ -25,13 +25,17 @@ def supports_tree(sp) -> bool:
 
 
 def tree_sampling(params: list, generators: list) -> Sampling | None:
-    """The verification's per-request sampling (None when every request is greedy)."""
+    """The verification's per-request sampling (None when every request is greedy). top-k / top-p / min-p
+    are None when no request uses them (as vLLM's sampler skips them): top-k and top-p sort the vocabulary
+    per visited node and level, 0.2-0.4 ms a level on the H200 at 128 requests."""
     temps = [float(sp.temperature) for sp in params]
     if all(t < SAMPLING_EPS for t in temps):
         return None
+    top_k = [max(int(sp.top_k or 0), 0) for sp in params]
+    top_p = [float(sp.top_p) if sp.top_p is not None else 1.0 for sp in params]
     min_p = [float(getattr(sp, "min_p", 0.0) or 0.0) for sp in params]
-    return Sampling(temperature=torch.tensor(temps), top_k=torch.tensor([max(int(sp.top_k or 0), 0) for sp in params]),
-                    top_p=torch.tensor([float(sp.top_p) if sp.top_p is not None else 1.0 for sp in params]),
+    return Sampling(temperature=torch.tensor(temps), top_k=torch.tensor(top_k) if any(top_k) else None,
+                    top_p=torch.tensor(top_p) if min(top_p) < 1.0 else None,
                     min_p=torch.tensor(min_p) if any(min_p) else None, generators=generators)
 
 

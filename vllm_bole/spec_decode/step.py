@@ -101,8 +101,8 @@ class Sampling:
     """Per-request sampling of the trees' requests, ``[B]`` each (greedy where temperature ~ 0)."""
 
     temperature: torch.Tensor
-    top_k: torch.Tensor  # 0 = off
-    top_p: torch.Tensor  # 1 = off
+    top_k: torch.Tensor | None  # 0 = off; None = off for all
+    top_p: torch.Tensor | None  # 1 = off; None = off for all
     min_p: torch.Tensor | None  # None = off for all
     generators: list  # torch.Generator or None per request
 
