@@ -110,8 +110,10 @@ def job(prompts, dataset, temperature, conc, deadline, budget=None) -> list[dict
 def engine_kwargs(args) -> dict:
     """``--parallel``: engines side by side, so each asks for a small share of the GPU (vLLM checks only that
     much is free when it starts) and a fixed KV cache (no profiling of memory that the others also move)."""
+    # jit_monitor_verbose: every Triton compilation while serving is logged with its constants (per cell in
+    # the rows' ``jit_compiled``)
     kw = dict(dtype=args.dtype, enforce_eager=args.eager, max_model_len=2048, max_num_seqs=max(CONCURRENCY),
-              enable_prefix_caching=False, disable_log_stats=False, seed=0)
+              enable_prefix_caching=False, disable_log_stats=False, seed=0, jit_monitor_verbose=True)
     if not args.eager:
         kw.update(compilation_config={"cudagraph_capture_sizes": CAPTURE},
                   kv_cache_memory_bytes=(8 if args.parallel else 16) << 30, attention_backend="TRITON_ATTN",

@@ -101,17 +101,15 @@ def test_resume_runs_only_the_cells_not_yet_measured(monkeypatch, tmp_path):
 
 
 def test_a_job_names_the_kernels_compiled_while_it_ran():
-    """The engine child's jit log (``engine_run._JitLog``) keeps vLLM's jit-monitor warnings in order, kernel
-    and constants, so that each cell's row names its own compilations (``jit_compiled``)."""
-    import logging
+    """An engine's log is split at the child's job marks (its engine core's and workers' lines land in the
+    same log), so that each cell's row names the compilations vLLM's jit monitor logged while it ran
+    (``jit_compiled``: kernel and details)."""
+    from vllm_bole.testing.engine_run import JIT_COMPILED, JOB_MARK, _job_logs
 
-    from vllm_bole.testing.engine_run import _JitLog
-
-    jit, log = _JitLog(), logging.getLogger("vllm.utils.jit_monitor")
-    try:
-        log.warning("%s %s during inference: %s%s. This causes a latency spike; consider extending warmup",
-                    "Triton kernel", "JIT compilation", "_tree_attn_fwd", " (BLOCK_N=64)")
-        log.warning("something else")
-        assert jit.seen == ["_tree_attn_fwd (BLOCK_N=64)"]
-    finally:
-        log.removeHandler(jit)
+    warn = ("(EngineCore pid=7) WARNING jit_monitor.py: Triton kernel JIT compilation during inference: "
+            "_tree_attn_fwd (constexprs={BLOCK_N=64}). This causes a latency spike")
+    log = "\n".join(["start", warn, f"{JOB_MARK}0", "x", f"{JOB_MARK}1", warn, "y", f"{JOB_MARK}2"])
+    jobs = _job_logs(log)
+    assert sorted(jobs) == [0, 1, 2] and jobs[0] == ["x"] and jobs[2] == []
+    assert [JIT_COMPILED.search(ln).group(1) for ln in jobs[1] if JIT_COMPILED.search(ln)] == [
+        "_tree_attn_fwd (constexprs={BLOCK_N=64})"]

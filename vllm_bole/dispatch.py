@@ -15,3 +15,26 @@ def use_triton(kernels: str, x: torch.Tensor, field: str = "kernels") -> bool:
         raise ValueError(f"{field}: {kernels!r} is not one of 'auto', 'torch', 'triton'")
     return kernels == "triton" or (kernels == "auto" and x.is_cuda)
 
+
+
+def triton_variants(prefixes=("csrc_triton", "vllm", "fla")) -> dict[str, int]:
+    """Compiled variants per Triton kernel of the loaded modules under ``prefixes`` (``module.kernel``: the
+    kernels' caches summed over devices); a kernel whose count grew was compiled for a new
+    specialisation. Scans ``sys.modules``: tens of milliseconds, for diagnostics."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(prefixes):
+            continue
+        for attr, obj in list(vars(mod).items()):
+            for _ in range(4):  # autotuners and heuristics wrap the JIT function in ``fn``
+                if isinstance(obj, JITFunction) or not hasattr(obj, "fn"):
+                    break
+                obj = obj.fn
+            if isinstance(obj, JITFunction):
+                caches = getattr(obj, "device_caches", {}) or {}
+                out[f"{name}.{attr}"] = sum(len(c[0]) for c in caches.values())
+    return out

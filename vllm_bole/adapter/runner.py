@@ -51,6 +51,7 @@ from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tre
 from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
 from vllm_bole.attention.tree_attention import tree_slot_mapping
 from vllm_bole.config import AUTO_ONLY, TreeSpecConfig
+from vllm_bole.dispatch import triton_variants
 from vllm_bole.spec_decode.calibration import BRANCH_COLUMNS, Calibration, branch_columns, kind_counts
 from vllm_bole.spec_decode.block_drafter import HeadDrafter, load_head
 from vllm_bole.spec_decode.draft_model import HFDraftModel
@@ -146,8 +147,9 @@ class TreeRunnerMixin:
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
         # tree steps whose target forward took over SLOW_FORWARD_S: [tree step, requests, nodes, plain rows beside
-        # them, replayed from a whole graph, forward ms] (where a stall came from: a new kernel specialisation?)
+        # them, replayed from a whole graph, forward ms, {Triton kernel: variants compiled since the last check}]
         self._bole_slow_log: collections.deque = collections.deque(maxlen=1000)
+        self._bole_variants: dict | None = None  # compiled Triton variants per kernel at the last check
         self._bole_calibration = Calibration()  # decaying: the builder's factors
         self._bole_kinds = torch.zeros_like(self._bole_calibration.counts)  # since start: the stats
         self._bole_metrics = WorkerMetrics(snapshot_path(self.vllm_config) if _first_rank() else None)
@@ -476,9 +478,11 @@ class TreeRunnerMixin:
         if self._bole_forward_timer is not None:
             fwd, self._bole_forward_timer = self._bole_forward_timer.seconds(), None
             self._bole_stats["forward_s"] += fwd
+            grown = self._bole_compiled() if self._bole_variants is None or fwd > SLOW_FORWARD_S else None
             if fwd > SLOW_FORWARD_S:
                 self._bole_slow_log.append([self._bole_stats["tree_steps"], tree.num_requests, tree.num_nodes, P,
-                                            graphs is not None and graphs.bucket is not None, round(1000 * fwd, 1)])
+                                            graphs is not None and graphs.bucket is not None, round(1000 * fwd, 1),
+                                            grown])
         grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int64)
         if P:
             grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
@@ -509,6 +513,14 @@ class TreeRunnerMixin:
         self._bole_stats["finish_s"] += time.perf_counter() - t1
         return SamplerOutput(sampled_token_ids=upload(grid, logits.device, torch.int32), logprobs_tensors=logprobs)
 
+    def _bole_compiled(self) -> dict:
+        """{Triton kernel: variants compiled since the last call} (CUDA; elsewhere nothing compiles)."""
+        if torch.device(self.device).type != "cuda":
+            return {}
+        variants, last = triton_variants(), self._bole_variants or {}
+        self._bole_variants = variants
+        return {k: n - last.get(k, 0) for k, n in variants.items() if n > last.get(k, 0)}
+
     def sample_tokens(self, grammar_output):
         state = getattr(self, "execute_model_state", None)
         out = super().sample_tokens(grammar_output)
@@ -529,7 +541,8 @@ class TreeRunnerMixin:
         ``verify_commit_s`` per tree step (host, until the results are queued), ``finish_s`` the tree
         step's sampler output after that (results to the host, counters)) and the per-step log of
         (request, drafted greedy-chain length, accepted draft nodes); ``slow_steps``: the tree steps whose
-        forward took over ``SLOW_FORWARD_S`` (tree step, requests, nodes, plain rows, from a whole graph, ms);
+        forward took over ``SLOW_FORWARD_S`` (tree step, requests, nodes, plain rows, from a whole graph, ms,
+        Triton kernels compiled since the last check: ``dispatch.triton_variants``);
         ``branch_by_depth``: per depth
         1..max_depth, main-path and sibling nodes reached and accepted since the engine started;
         ``calibration``: per node kind (main, branch, off) and depth the recent acceptance rates and

@@ -27,7 +27,6 @@ known bug into the tree runner (:data:`FAULTS`), to show that a check catches it
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import sys
@@ -42,6 +41,7 @@ PROBE_CLS = "vllm_bole.testing.engine_run.PluginProbe"
 # vLLM's jit monitor: "Triton kernel JIT compilation during inference: <kernel> (<constants>). This causes..."
 JIT_KERNEL = re.compile(r"during inference: ([\w.]+)")
 JIT_COMPILED = re.compile(r"during inference: (.+?)\. This causes")  # the kernel with its constants
+JOB_MARK = "engine_run: job "  # the child's mark on stderr before each job
 # what an in-process engine run does first (``from vllm import LLM``; with ``hf_job`` after hiding FLA),
 # done once by a fork server (``isolation.forked_runs``)
 PRELOAD = "vllm.entrypoints.llm"
@@ -159,11 +159,29 @@ def run_engine(model_dir, jobs: list[dict], *, spec: dict | None = None, llm_kwa
     result["seconds"] = time.monotonic() - t0
     result["log"] = tail(log, 3000)
     result["plugin_lines"] = [ln for ln in log.splitlines() if "vllm-bole" in ln][:50]
-    # Triton kernels compiled while serving (vLLM's jit monitor), e.g. tree kernels the warm-up missed
+    # Triton kernels compiled while serving (vLLM's jit monitor; every compilation with its constants and
+    # signature where the engine runs ``jit_monitor_verbose``): per engine, and per job from its log lines
     jit = [ln for ln in log.splitlines() if "JIT compilation during inference" in ln]
     result["jit_warnings"] = len(jit)
     result["jit_kernels"] = sorted({m.group(1) for m in map(JIT_KERNEL.search, jit) if m})
+    for i, lines in _job_logs(log).items():
+        if i < len(result["jobs"]):
+            result["jobs"][i]["jit_compiled"] = [m.group(1)[:600] for m in map(JIT_COMPILED.search, lines) if m]
     return result
+
+
+def _job_logs(log: str) -> dict[int, list[str]]:
+    """{job index: the log's lines after its mark and before the next} (the driver marks each job's start
+    on stderr; its engine core's and workers' lines land in the same log)."""
+    out: dict[int, list[str]] = {}
+    cur = None
+    for ln in log.splitlines():
+        if ln.startswith(JOB_MARK):
+            cur = int(ln[len(JOB_MARK):])
+            out[cur] = []
+        elif cur is not None:
+            out[cur].append(ln)
+    return out
 
 
 # ----------------------------------------------------------------------------- child side
@@ -399,21 +417,6 @@ def _soak(llm, job, done: list) -> dict:
     return dict(requests=reqs, steps=step, memory=memory)
 
 
-class _JitLog(logging.Handler):
-    """vLLM's jit-monitor warnings of this process (an in-process engine's workers), kept in order, so that a
-    job's result names the kernels compiled while it ran (``jit_compiled``: kernel and constants)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.seen: list[str] = []
-        logging.getLogger("vllm.utils.jit_monitor").addHandler(self)
-
-    def emit(self, record) -> None:
-        m = JIT_COMPILED.search(record.getMessage())
-        if m:
-            self.seen.append(m.group(1)[:300])
-
-
 def _run(req) -> dict:
     if req["hf_job"] is not None:
         from vllm_bole.testing.tiny_models import hide_fla
@@ -421,7 +424,7 @@ def _run(req) -> dict:
         hide_fla()  # before vllm imports transformers
     if req["fault"]:
         FAULTS[req["fault"]]()
-    t0, jit = time.monotonic(), _JitLog()
+    t0 = time.monotonic()
     llm = _llm(req)
     out: dict = dict(start_s=time.monotonic() - t0, jobs=[])
     try:
@@ -430,7 +433,8 @@ def _run(req) -> dict:
 
             out["driver"] = dict(pid=os.getpid(), registered=vllm_bole.plugin._registered)
             out["workers"] = llm.collective_rpc("vllm_bole_probe")
-        for job in req["jobs"]:
+        for i, job in enumerate(req["jobs"]):
+            print(f"{JOB_MARK}{i}", file=sys.stderr, flush=True)  # the log's lines from here on are this job's
             if job.get("deadline") and time.time() > job["deadline"]:
                 out["jobs"].append(dict(skipped="deadline"))
                 continue
@@ -438,9 +442,8 @@ def _run(req) -> dict:
                 llm.collective_rpc("bole_set_budget", args=(job["budget"],))
             warm = llm.collective_rpc("bole_warm_up") if job.get("warm_up") else None
             graphs = llm.collective_rpc("bole_capture_tree_graphs") if job.get("tree_graphs") else None
-            before, counters, t1, compiled = _stats(llm, req), _counters(llm), time.monotonic(), len(jit.seen)
+            before, counters, t1 = _stats(llm, req), _counters(llm), time.monotonic()
             res = dict(generate=_generate, mixed=_mixed, soak=_soak, gate=_gate)[job["kind"]](llm, job, out["jobs"])
-            res["jit_compiled"] = jit.seen[compiled:]
             res["seconds"] = time.monotonic() - t1
             res["stats"] = _stats_delta(before, _stats(llm, req))
             res["counters"] = {k: v - counters.get(k, 0) for k, v in _counters(llm).items()}
