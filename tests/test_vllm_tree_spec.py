@@ -299,18 +299,22 @@ def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     assert [p for _, _, p in warm["shapes"][-2:]] == [256, 512 - top]  # long-key tiles: plain, then split-K
 
 
-@pytest.mark.parametrize("arch,drafter,budget", [("nemotron_h", "draft_model", BUDGET), ("nemotron_h", "ngram", "auto"),
-                                                 ("qwen3_next", "draft_model", BUDGET)])
-def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter, budget):
+@pytest.mark.parametrize("arch,drafter,budget,concurrency", [
+    ("nemotron_h", "draft_model", BUDGET, None), ("nemotron_h", "ngram", "auto", None),
+    ("qwen3_next", "draft_model", BUDGET, None), ("nemotron_h", "draft_model", BUDGET, 3)])
+def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter, budget, concurrency):
     """Tree steps through the tree-graph path (``vllm_bole.adapter.tree_graphs``, ``VLLM_BOLE_TREE_GRAPHS=1``;
     on CPU each bucket replays eagerly: the padded static step through the model): every tree step of
     tree requests alone is padded into its bucket (padding requests on the null block and slot 0), the
     commit runs over the padded step and its static verification result; every stream still equals
     non-speculative vLLM. With n-gram drafts and ``budget: "auto"`` (tree steps always: ``plain_fallback``
     off) the trees change size and bucket from step to step, and requests without drafts decode as
-    root-only trees (so the steps stay trees alone)."""
+    root-only trees (so the steps stay trees alone). With at most 3 requests in flight, refilled as they
+    finish, prompts land beside running trees: those steps run the prompts' forward first, then the trees
+    from their graph (``split_tree_steps``)."""
     base = engines.run(arch, "base")["greedy"]
-    job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch), tree_graphs=True)
+    job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch), tree_graphs=True,
+                                  concurrency=concurrency)
     r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"},
                               spec=spec_config(drafter, models[arch] if drafter == "draft_model" else None,
                                                budget=budget, **({"plain_fallback": False} if budget == "auto" else {})))
@@ -320,6 +324,7 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     print(f"{arch} {drafter} budget {budget} tree graphs: {ours['tree_graphs']} buckets, {st['graph_tree_steps']} "
           f"of {st['tree_steps']} tree steps ({st['steps']} steps), {st.get('budget_nodes')} nodes chosen")
     assert ours["tree_graphs"][0] > 0 and st["graph_tree_steps"] >= st["steps"] // 2
+    assert (st["split_tree_steps"] >= 2) == (concurrency is not None), st["split_tree_steps"]
 
 
 @pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])

@@ -256,11 +256,17 @@ class TreeGraphs:
         for g in runner._bole_attention:
             runner.input_batch.block_table[g.group].slot_mapping.gpu[start:end].fill_(-1)
 
-    def replay(self, runner, step: TreeStep):
-        """The target's hidden states ``[T_bucket, ...]`` of ``step`` (tree requests alone) from its bucket's
-        graph, or None when no bucket holds it; then :meth:`commit` commits it."""
+    def bucket_of(self, step: TreeStep) -> tuple[int, int] | None:
+        """The captured bucket that holds ``step``'s trees, or None."""
         bt = pick(self.buckets, step.tree.num_requests, step.num_tokens, self.nodes)
-        if bt is None or bt not in self.ctx:
+        return bt if bt in self.ctx else None
+
+    def replay(self, runner, step: TreeStep):
+        """The target's hidden states ``[T_bucket, ...]`` of ``step``'s trees (their tokens first in vLLM's
+        persistent buffers) from its bucket's graph, or None when no bucket holds them; then :meth:`commit`
+        commits them."""
+        bt = self.bucket_of(step)
+        if bt is None:
             return None
         st = self.static[bt]
         st.fill(step.host_tree, step.host["prefix"], step.host["tables"], step.state_slots_host)
