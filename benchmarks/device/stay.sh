@@ -96,6 +96,15 @@
 # BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (533 s): 674 s held, and the
 # machine went back before a next run was sent (a reply read slowly: keep the next command ready). Found there:
 # cells ran their requests in groups with a barrier (fixed since: at most `concurrency` in flight, refilled).
+# 2026-12-04 (eleventh session, 95f1a40): parts x2, `install` (70 s), `parts` x2 with the pieces, `parts unpack matrix`
+# as above (533 s; cells now refilled), `online` with TREE_GRAPHS=1 ONLINE_MODES=bole_tree (253 s), `RESUME=1 matrix` with
+# E2E_ONLY="ar/none bole_tree/draft_model" E2E_SECONDS=420 (307 s: the cut temperature-1 cells): 1233 s held. A second
+# stay at 3adce69 (the same five runs to `parts unpack matrix` with E2E_SECONDS=275 BUDGETS=16, trees alone: 201 s)
+# stopped at its first slow step (the diagnostics touched vLLM's placeholder module; fixed at 906e3d5). Found: with
+# refilled cells, steps with prompts beside trees ran piecewise with eager tree layers (7-11 ms, stalls of 0.2-1.5 s);
+# they now run two forwards (0d11660). Next stay: `parts unpack matrix` as above (do the split steps replay graphs and
+# do the stalls go? the rows' `slow_steps` and `jit_compiled` name what compiled), then `online` (TREE_GRAPHS=1
+# ONLINE_MODES=bole_tree), then the vLLM matrix (`mixed`, `e2e`).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
