@@ -468,8 +468,9 @@ class TreeRunnerMixin:
             self._bole_active.step = step
         self.input_ids.gpu[:T] = self.input_ids.gpu[s: s + T].clone()
         self.positions[:T] = self.positions[s: s + T].clone()
-        for table in self.input_batch.block_table.block_tables:
-            table.slot_mapping.gpu[:T] = table.slot_mapping.gpu[s: s + T].clone()
+        for gid in range(len(self.kv_cache_config.kv_cache_groups)):  # as vLLM's _get_slot_mappings reads them
+            slots = self.input_batch.block_table[gid].slot_mapping.gpu
+            slots[:T] = slots[s: s + T].clone()
         return torch.cat([plain[:s], graphs.replay(self, step)[:T]])
 
     def _sample(self, logits, spec_decode_metadata):
