@@ -87,7 +87,7 @@ class Engines:
                                                   rescore=logprobs_k(arch) if kind == "base" else None)}
         if kind == "ngram":
             if arch == "llama":  # the benchmarks' concurrency: at most 3 in flight, refilled as they finish
-                jobs["refill"] = engine_run.generate_job(prompts, MAX_TOKENS, concurrency=3)
+                jobs["refill"] = engine_run.generate_job(prompts, MAX_TOKENS, logprobs=logprobs_k(arch), concurrency=3)
             return jobs
         if arch in CONSTRAINED_ARCHS:
             jobs["constrained"] = engine_run.generate_job(prompts, MAX_TOKENS, sampling=CONSTRAINED)

@@ -95,10 +95,11 @@ def test_ngram_greedy_equal(engines, arch):
 
 def test_bounded_concurrency_refills_and_keeps_outputs(engines):
     """``generate_job(concurrency=3)`` (the benchmarks' cells): never more than 3 requests in flight, the next
-    one submitted when one finishes, and the greedy streams those of the whole batch at once."""
-    run = engines.run("llama", "ngram")
-    refill, whole = run["refill"], run["greedy"]
-    assert refill["tokens"] == whole["tokens"]
+    one submitted when one finishes, and the greedy streams those of non-speculative vLLM (by the same
+    criterion as every fp32 comparison: a parting only at a tie within the engine's own noise, since the
+    batches differ)."""
+    refill = engines.run("llama", "ngram")["refill"]
+    _check_equal("llama", engines.run("llama", "base")["greedy"], refill)
     times = refill["times"]
     for sub, _, _ in times:
         assert sum(s <= sub < f for s, _, f in times) <= 3
