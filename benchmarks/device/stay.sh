@@ -105,6 +105,13 @@
 # they now run two forwards (0d11660). Next stay: `parts unpack matrix` as above (do the split steps replay graphs and
 # do the stalls go? the rows' `slow_steps` and `jit_compiled` name what compiled), then `online` (TREE_GRAPHS=1
 # ONLINE_MODES=bole_tree), then the vLLM matrix (`mixed`, `e2e`).
+# 2026-12-04 (twelfth session, d342dbe): parts x2, `install` (79 s), `parts` x2 with the pieces, `parts unpack matrix`
+# as above (540 s: every tree step from a graph, prompts beside or not; no compilation while serving); then the machine
+# was found cold ("warm": false on the next reply although it was sent at once): parts x2, `install` (50 s), `parts` x2,
+# `parts unpack online` with 06-07 + .pair/data and TREE_GRAPHS=1 ONLINE_MODES=bole_tree (239 s), `e2e` (528 s; the soak
+# took 300 s of it, so the draft-model rows of Qwen3-Next, FalconH1 and Qwen3.5 were cut): 1646 s held. Next stay:
+# the Qwen3-Next bf16 graphs row parts from vLLM (n-gram, nothing accepted; Qwen3.5 passes): `e2e` without the soak
+# and the other rows first (--arch qwen3_next, eager and graphs parts), then `online` with every mode in one run.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
