@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from vllm_bole import gdn
-from vllm_bole.adapter.layers.recurrent import RecurrentLayer
+from vllm_bole.adapter.layers.recurrent import RecurrentLayer, owned
 
 
 class GDNLayer(RecurrentLayer):
@@ -94,7 +94,7 @@ class GDNLayer(RecurrentLayer):
         ``core[tok_start : tok_start + T]`` [T, Hv, V]."""
         layer, Hk, Hv, K, V = self.module, self.Hk, self.Hv, self.K, self.V
         s, T = step.tok_start, step.num_tokens
-        conv_in = mixed_qkv[s : s + T].contiguous()
+        conv_in = owned(mixed_qkv[s : s + T])
         conv_out, slots = self.conv(step, conv_in, self._conv_weight(), layer.conv1d.bias, layer.activation)
         q, k, v = layer.rearrange_mixed_qkv(conv_out)
         q, k, v = (x.reshape(T, h, d).contiguous() for x, h, d in ((q, Hk, K), (k, Hk, K), (v, Hv, V)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bole.adapter.layers.recurrent import RecurrentLayer
+from vllm_bole.adapter.layers.recurrent import RecurrentLayer, owned
 from vllm_bole.mamba import ssd_tree
 
 INF = float("inf")
@@ -45,7 +45,7 @@ class Mamba2Layer(RecurrentLayer):
         s, T = step.tok_start, step.num_tokens
         xBC, dt = torch.split(projected_states[s : s + T, layer.tped_intermediate_size :],
                               [layer.tped_conv_size, layer.tped_dt_size], dim=-1)
-        xBC = xBC.contiguous()
+        xBC = owned(xBC)
         conv_out, slots = self.conv(step, xBC, layer.conv_weights, layer.conv1d.bias, layer.activation)
         x, B, C = layer.split_hidden_states_B_C_fn(conv_out)
         # dense once: the kernel and the commit's stash both read them so

@@ -28,13 +28,24 @@ def conv_state_view(cache: torch.Tensor) -> torch.Tensor:
     return cache if is_conv_state_dim_first() else cache.transpose(-1, -2)
 
 
+def owned(x: torch.Tensor) -> torch.Tensor:
+    """A dense copy of ``x`` (a slice of a tensor vLLM handed the layer) that the layer owns until its commit.
+
+    Under vLLM's piecewise CUDA graphs the inputs of a splitting op (GDN's core, Mamba2's conv + SSM) are
+    outputs of the graph piece before it, which vLLM keeps only as weak references in a memory pool that
+    the next pieces overwrite: a view of them held until the commit (after the whole forward) reads
+    whatever ran later. ``.contiguous()`` is a view whenever the slice is already dense (Qwen3-Next's
+    ``mixed_qkv`` is a fresh ``torch.cat``; any single-token step), so the copy is explicit."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 @dataclass
 class Saved:
     """A recurrent layer's tree inputs of one step, for its commit."""
 
     step: TreeStep
     slots: torch.Tensor  # [Bt] int64 state slots
-    conv_in: torch.Tensor  # [T, C] pre-conv inputs
+    conv_in: torch.Tensor  # [T, C] pre-conv inputs, owned (:func:`owned`)
     inputs: dict  # the kind's recurrent inputs by name, [T, ...] each
 
 
