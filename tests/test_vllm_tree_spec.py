@@ -140,6 +140,24 @@ def test_bf16_criterion_catches_wrong_gdn_commit(engines, models):
     assert ours["stats"]["accepted"] > 0 and not verdict.ok
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_commit_survives_graph_pool_reuse(engines, models, arch):
+    """Under vLLM's piecewise CUDA graphs a recurrent layer's input rows are pool memory that the next graph
+    piece overwrites before the commit; on CPU the ``pool_reuse`` condition (``engine_run.FAULTS``) overwrites
+    them with NaN right after each layer's tree forward: the outputs must stay non-speculative vLLM's (the
+    Qwen3-Next graphs row on the H200 parted from vLLM while the GDN layer kept a view of ``mixed_qkv``)."""
+    base = engines.run(arch, "base")["greedy"]
+    n, k = 4, 40
+    r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch)[:n], k,
+                                                                     logprobs=logprobs_k(arch))],
+                              spec=spec_config("draft_model", models[arch]), fault="pool_reuse")
+    ours = r["jobs"][0]
+    verdict = compare_greedy(checkpoint_dtype(arch), {f: [x[:k] for x in base[f][:n]] for f in ("tokens", "top", "rescored")
+                                                      if base.get(f)}, ours)
+    print(f"{arch} with pool reuse: {ours['stats']['tree_steps']} tree steps, {verdict.summary()}")
+    assert ours["stats"]["tree_steps"] >= 10 and verdict.ok, verdict.summary()
+
+
 @pytest.mark.parametrize("arch", list(SAMPLED))
 def test_sampling_distribution_equal(engines, arch):
     """Tree speculation leaves the sampled distribution unchanged (see the module docstring); the base

@@ -22,7 +22,8 @@ Every job result carries the tree runner's counters of that job (``bole_stats`` 
 ``hf_job=i`` runs transformers' teacher-forced reference (:mod:`vllm_bole.testing.hf_reference`)
 on job ``i``'s greedy streams after the engine has shut down; ``probe=True`` reports from inside
 the worker whether the plugin was registered there (:class:`PluginProbe`). ``fault`` injects a
-known bug into the tree runner (:data:`FAULTS`), to show that a check catches it.
+known bug into the tree runner, to show that a check catches it, or a hostile condition the runner
+must withstand (:data:`FAULTS`).
 """
 from __future__ import annotations
 
@@ -229,7 +230,29 @@ def _fault_gdn_commit_parent() -> None:
     gdn.stash_accepted_path = stash
 
 
-FAULTS = {"gdn_commit_parent": _fault_gdn_commit_parent}
+def _fault_pool_reuse() -> None:
+    """Not a bug: what vLLM's piecewise CUDA graphs do to a splitting op's inputs, on CPU. Each recurrent
+    layer's tree-token rows of the input vLLM handed it (GDN's ``mixed_qkv``, Mamba2's conv and dt columns of
+    the projected states) are overwritten with NaN right after the layer's tree forward, as the next graph
+    piece overwrites pool memory; the commit after the whole forward must not read them (outputs unchanged)."""
+    from vllm_bole.adapter.layers.gdn import GDNLayer
+    from vllm_bole.adapter.layers.mamba2 import Mamba2Layer
+
+    tree_core, tree_forward = GDNLayer._tree_core, Mamba2Layer._tree_forward
+
+    def gdn_core(self, step, mixed_qkv, *args):
+        tree_core(self, step, mixed_qkv, *args)
+        mixed_qkv[step.tok_start : step.tok_start + step.num_tokens].fill_(float("nan"))
+
+    def mamba2_forward(self, step, projected_states, output):
+        tree_forward(self, step, projected_states, output)
+        s, T = step.tok_start, step.num_tokens
+        projected_states[s : s + T, self.module.tped_intermediate_size :].fill_(float("nan"))  # the gate stays
+
+    GDNLayer._tree_core, Mamba2Layer._tree_forward = gdn_core, mamba2_forward
+
+
+FAULTS = {"gdn_commit_parent": _fault_gdn_commit_parent, "pool_reuse": _fault_pool_reuse}
 
 
 def _llm(req):
