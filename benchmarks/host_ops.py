@@ -78,6 +78,8 @@ def main() -> None:
     spec = dict(method="bole_tree", num_speculative_tokens=budget if budget != "auto" else 16, budget=budget,
                 max_depth=6, kernels=args.kernels)
     spec.update(dict(drafter="ngram") if args.drafter == "ngram" else dict(drafter="draft_model", model=args.drafter))
+    if budget == "auto":  # the controller's budgets, its switch off: every step verifies trees (the count is theirs)
+        spec["plain_fallback"] = False
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0,
               enable_prefix_caching=False, speculative_config=spec, gpu_memory_utilization=0.3)
     prompts = [dict(prompt_token_ids=list(range(5 + i, 60 + i)) * 2) for i in range(args.batch)]
