@@ -16,7 +16,6 @@ def use_triton(kernels: str, x: torch.Tensor, field: str = "kernels") -> bool:
     return kernels == "triton" or (kernels == "auto" and x.is_cuda)
 
 
-
 # (prefixes, number of loaded modules) -> [(name, JIT function)] of the last scan: a later call rescans only
 # when modules were imported since
 _KERNELS: dict = {}
