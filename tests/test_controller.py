@@ -223,7 +223,7 @@ def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
     for step, interval in enumerate([0.010, 0.010, 0.010, 1.0]):  # the last one compiled kernels
         sb.start()
         sb.step_begun(4, tree=True, prefill=False, changed=False)
-        sb.speculate(4)
+        sb.speculate(["a", "b", "c", "d"])
         clock[0] += 0.002  # the forward, to the sampled tokens
         sb.observe(4, 20, 200.0)
         sb.drafted(0.003)  # the next trees, launched and read within this step

@@ -121,7 +121,8 @@ class StepBudget:
         last = self.last
         if last is not None and not last["prefill"]:
             steady = last["steady"] and not changed
-            self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"] if steady else None)
+            self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"] if steady else None,
+                                last.get("per_request"))
             if steady and self.ctl is not None and "forward_s" in last:  # the controller's rest of a tree step
                 rest = self.t0 - last["t"] - last["forward_s"] - last.get("draft_s", 0.0)
                 self.ctl.rest_s = _weigh(self.ctl.rest_s, max(rest, 0.0))
@@ -129,13 +130,14 @@ class StepBudget:
         self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, steady=steady)
         self.decided = None
 
-    def emitted(self, tokens: int) -> None:
-        """The tree step under way emitted ``tokens`` tokens (a plain decode step: one per request)."""
-        self.last["tokens"] = tokens
+    def emitted(self, tokens: int, per_request: dict) -> None:
+        """The tree step under way emitted ``tokens`` tokens (a plain decode step: one per request),
+        ``per_request`` {request id: tokens} of them its trees'."""
+        self.last["tokens"], self.last["per_request"] = tokens, per_request
 
-    def speculate(self, batch: int) -> bool:
-        """Whether the next step of ``batch`` requests drafts trees (the switch's decision)."""
-        self.decided = self.switch.decide(batch)
+    def speculate(self, req_ids: list) -> bool:
+        """Whether the next step of the requests ``req_ids`` drafts trees (the switch's decision)."""
+        self.decided = self.switch.decide(len(req_ids), req_ids)
         self.stats["plain_decode_steps"] += not self.decided
         return self.decided
 

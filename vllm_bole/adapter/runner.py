@@ -315,6 +315,8 @@ class TreeRunnerMixin:
             self._bole_drop_pending(rid)
         if hasattr(self._bole_drafter, "release"):
             self._bole_drafter.release(scheduler_output.finished_req_ids)
+        if self._bole_auto is not None:
+            self._bole_auto.switch.forget(scheduler_output.finished_req_ids)
         return out
 
     def _bole_tree_rows(self, scheduler_output) -> list[bool]:
@@ -542,7 +544,7 @@ class TreeRunnerMixin:
         self._bole_kinds += kinds
         self._bole_calibration.update(kinds)
         if self._bole_budget is not None:
-            self._bole_budget.emitted(P + tree.num_requests + sum(acc))
+            self._bole_budget.emitted(P + tree.num_requests + sum(acc), {r: 1 + a for r, a in zip(step.req_ids, acc)})
             times = self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
                                               float(step.prefix_len.sum()))
             if times is not None:
@@ -713,7 +715,7 @@ class TreeRunnerMixin:
             self._bole_drafter.condition(hidden[rows if rows is not None else slice(0, n)])
         req_ids = list(ib.req_ids[:n])
         budget = self._bole_budget
-        speculate = budget is None or not cfg.plain_fallback or budget.speculate(n)
+        speculate = budget is None or not cfg.plain_fallback or budget.speculate(req_ids)
         self._bole_metrics.set("vllm:bole_speculating", float(speculate))
         if not speculate:  # the next step decodes plainly (vLLM's own step): no drafts
             from vllm.v1.outputs import DraftTokenIds
