@@ -112,6 +112,14 @@
 # took 300 s of it, so the draft-model rows of Qwen3-Next, FalconH1 and Qwen3.5 were cut): 1646 s held. Next stay:
 # the Qwen3-Next bf16 graphs row parts from vLLM (n-gram, nothing accepted; Qwen3.5 passes): `recheck` right after
 # `install` (those rows alone, no soak: is `owned` the fix?), then the pair's `matrix`, then `online` with every mode.
+# 2026-12-04 (thirteenth session, ac1f958): parts x2 (machine start 28 s), `install` (67 s), `recheck` (528 s: every
+# n-gram row passed, Qwen3-Next's too, so `owned` was the fix; the four draft-model rows cut at the deadline),
+# `parts` x2 with the pieces, `newarchs` with NEWARCHS="qwen3_next falcon_h1 qwen3_5" (360 s: all three pass),
+# `parts unpack online` with 06-07 + .pair/data (an empty ONLINE_MODES passed a bare `--mode`: fixed), `online` with
+# ONLINE_MODES="ar vllm_chain bole_tree" TREE_GRAPHS=1 (352 s), then profile_step.py at batch 1 (208 s): 1622 s.
+# Next stay: parts x2, `install`, the pieces, `parts unpack matrix` as in the twelfth session (does the per-request
+# switch bring `"auto"` to the best fixed budget on HumanEval?), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=570
+# `newarchs` (Zamba2's draft-model row alone), then `online` (every mode).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -316,7 +324,7 @@ stage_online() {  # issue 15 item 4: vllm serve under agent-style sessions, AR /
     project
     # ONLINE_MODES="bole_tree": those modes only, the committed file's other rows kept
     timeout 560 python3 benchmarks/bench_online.py --pair /tmp/pair --data /tmp/pd ${TREE_GRAPHS:+--tree-graphs} \
-        $(printf -- "--mode %s " ${ONLINE_MODES:-}) ${ONLINE_MODES:+--prior benchmarks/results/e2e_online.json} \
+        $( [ -n "${ONLINE_MODES:-}" ] && printf -- "--mode %s " $ONLINE_MODES ) ${ONLINE_MODES:+--prior benchmarks/results/e2e_online.json} \
         > "$OUT/e2e_online.log" 2>&1
     tail -12 "$OUT/e2e_online.log" | cut -c1-200
 }
