@@ -31,6 +31,8 @@ vLLM greedy streams identical with every tree step padded).
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 
@@ -74,18 +76,24 @@ def pick(buckets, requests: int, tokens: int, nodes: int) -> tuple[int, int] | N
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def padding_trees(requests: int, tokens: int, nodes: int) -> dict[str, np.ndarray]:
     """``requests`` star trees of at most ``nodes`` nodes, ``tokens`` in all (each >= 1): parent, depth
-    [tokens], sizes [requests], path [tokens, 2], anc_mask [tokens, WORDS] (int32)."""
+    [tokens], sizes and cu (their ends) [requests], path [tokens, 2], anc_mask [tokens, WORDS] (int32).
+    Cached (a step's padding repeats from step to step): read-only."""
     # the first ones filled up to ``nodes``
     sizes = 1 + np.clip(tokens - requests - np.arange(requests) * (nodes - 1), 0, nodes - 1)
     local = np.arange(tokens) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     anc = np.zeros((tokens, WORDS), np.int64)
     anc[:, 0] = 1
     anc[np.arange(tokens), local // 32] |= np.left_shift(1, local % 32)
-    return dict(parent=np.where(local == 0, -1, 0).astype(np.int32), depth=(local > 0).astype(np.int32),
-                sizes=sizes, path=np.stack([np.zeros(tokens, np.int32), np.where(local > 0, local, -1)], 1),
-                anc_mask=np.where(anc >= 2**31, anc - 2**32, anc).astype(np.int32))
+    pad = dict(parent=np.where(local == 0, -1, 0).astype(np.int32), depth=(local > 0).astype(np.int32),
+               sizes=sizes, path=np.stack([np.zeros(tokens, np.int32), np.where(local > 0, local, -1)], 1),
+               anc_mask=np.where(anc >= 2**31, anc - 2**32, anc).astype(np.int32),
+               cu=np.cumsum(sizes).astype(np.int32))
+    for a in pad.values():
+        a.flags.writeable = False
+    return pad
 
 
 class StaticStep:
@@ -104,7 +112,7 @@ class StaticStep:
         self.names = list(like)
         self.host_buf, spans = pack(list(like.values()), pin=torch.device(device).type == "cuda")
         self.dev_buf = torch.zeros_like(self.host_buf, device=device)
-        self.host = dict(zip(self.names, unpack(self.host_buf, like.values(), spans)))
+        self.host = {n: t.numpy() for n, t in zip(self.names, unpack(self.host_buf, like.values(), spans))}
         self.dev = dict(zip(self.names, unpack(self.dev_buf, like.values(), spans)))
         self.slot_groups, self.tables = list(slot_groups), list(table_widths)
         self.max_model_len, self.kernels = max_model_len, kernels
@@ -141,24 +149,23 @@ class StaticStep:
     def fill(self, tree: TreeBatch | None, prefix=(), tables=None, slots=None) -> None:
         """The real step (host tree; prefix [b]; tables / slots by group, [b, width] / [b] host arrays; None:
         padding alone) padded into the bucket, then ONE copy to the device."""
-        h = self.host
+        h = self.host  # numpy views of the pinned host buffer
         b, t = (tree.num_requests, tree.num_nodes) if tree is not None else (0, 0)
         pad = padding_trees(self.B - b, self.T - t, self.nodes)
-        h["path"].fill_(-1)
+        h["path"].fill(-1)
         for name in ("prefix", *(n for n in self.names if n.startswith(("table", "slots")))):
-            h[name].zero_()
+            h[name].fill(0)
         h["cu"][0] = 0
         if tree is not None:
-            h["parent"][:t], h["depth"][:t], h["cu"][: b + 1] = tree.parent, tree.depth, tree.cu_nodes
-            h["path"][:t, : tree.path.shape[1]], h["anc"][:t] = tree.path, tree.anc_mask
-            h["prefix"][:b] = torch.from_numpy(np.asarray(prefix, np.int64))
+            h["parent"][:t], h["depth"][:t], h["cu"][: b + 1] = tree.parent.numpy(), tree.depth.numpy(), tree.cu_nodes.numpy()
+            h["path"][:t, : tree.path.shape[1]], h["anc"][:t] = tree.path.numpy(), tree.anc_mask.numpy()
+            h["prefix"][:b] = prefix
             for g, tab in tables.items():
-                h[f"table{g}"][:b, : tab.shape[1]] = torch.as_tensor(tab)
-            for g, s in slots.items():
-                h[f"slots{g}"][:b] = torch.from_numpy(np.asarray(s, np.int64))
-        h["parent"][t:], h["depth"][t:] = torch.from_numpy(pad["parent"]), torch.from_numpy(pad["depth"])
-        h["cu"][b + 1:] = torch.from_numpy(t + np.cumsum(pad["sizes"]).astype(np.int32))
-        h["path"][t:, :2], h["anc"][t:] = torch.from_numpy(pad["path"]), torch.from_numpy(pad["anc_mask"])
+                h[f"table{g}"][:b, : tab.shape[1]] = tab
+            for g, sl in slots.items():
+                h[f"slots{g}"][:b] = sl
+        h["parent"][t:], h["depth"][t:], h["cu"][b + 1:] = pad["parent"], pad["depth"], t + pad["cu"]
+        h["path"][t:, :2], h["anc"][t:] = pad["path"], pad["anc_mask"]
         self.dev_buf.copy_(self.host_buf, non_blocking=True)
 
 

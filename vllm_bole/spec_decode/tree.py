@@ -119,6 +119,14 @@ class TreeBatch:
         moved.update(zip(host, up[: len(host)]))
         return TreeBatch(**moved), up[len(host):]
 
+    def _with_roots(self, root_tokens) -> "TreeBatch":
+        """This batch with its roots' tokens replaced by ``root_tokens`` ``[B]`` (None: itself)."""
+        if root_tokens is None:
+            return self
+        token = self.token_ids.clone()
+        token[self.starts] = torch.as_tensor(root_tokens, dtype=torch.long).flatten().to(token.device)
+        return dataclasses.replace(self, token_ids=token)
+
     def root_path(self, r: int, node: int) -> list[int]:
         """Local indices of the path root .. ``node`` of request ``r`` (tests, debugging)."""
         i = int(self.cu_nodes[r]) + node
@@ -163,6 +171,9 @@ class TreeBatch:
         A row of ``-1`` is a *placeholder*: a root and ``num_nodes - 1`` children of it with token
         ``-1`` (never accepted; default 1 node), for scheduled drafts no tree stands for.
         ``root_tokens`` (``[len(rows)]``) replaces the roots' tokens."""
+        if isinstance(rows, list) and isinstance(num_nodes, list) and rows == list(range(self.num_requests)) \
+                and num_nodes == self.nodes_per_request.tolist():  # the usual step, checked on the host
+            return self._with_roots(root_tokens)
         dev = self.cu_nodes.device
         rows = torch.as_tensor(rows, dtype=torch.long).flatten().to(dev)
         Bn = rows.numel()
@@ -184,11 +195,7 @@ class TreeBatch:
                                 f"for sizes {limit.tolist()}")
         if Bn == self.num_requests and bool(real.all()) and torch.equal(rows, torch.arange(Bn, device=dev)) \
                 and torch.equal(n, size):  # the whole batch as drafted (the usual step): only the roots change
-            if root_tokens is None:
-                return self
-            token = self.token_ids.clone()
-            token[self.starts] = torch.as_tensor(root_tokens, dtype=torch.long).flatten().to(dev)
-            return dataclasses.replace(self, token_ids=token)
+            return self._with_roots(root_tokens)
         cu = torch.zeros(Bn + 1, dtype=torch.long, device=dev)
         cu[1:] = n.cumsum(0)
         T = int(cu[-1])
