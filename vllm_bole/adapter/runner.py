@@ -37,6 +37,8 @@ state widths, no per-draft-token state copies.
 """
 from __future__ import annotations
 
+import contextlib
+
 import collections
 import logging
 import time
@@ -134,13 +136,15 @@ class TreeRunnerMixin:
         self._bole_drafts = None  # DraftTokenIds for the scheduler
         # (read the launched drafts, request ids, launch seconds): read when vLLM takes the drafts
         self._bole_pending_draft = None
+        self._bole_launched = False  # this step's drafts were launched behind its verification (_sample)
+        self._bole_draft_stream = None  # CUDA: the stream those drafts run on
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, mixed_tree_steps=0,
-                                prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
+                                prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0, chained_drafts=0,
                                 accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0, verify_commit_s=0.0,
                                 finish_s=0.0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0)
         self._bole_forward_timer: _ForwardTimer | None = None
@@ -514,7 +518,13 @@ class TreeRunnerMixin:
         self._bole_stats["verify_commit_s"] += t1 - t0
         self._bole_metrics.observe("vllm:bole_verify_commit_seconds", t1 - t0)
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
-        host = res.to("cpu")  # the step's results on the host: its forward has run
+        fetch = res.to_host_async()  # the step's results, copied to the host behind its commit
+        if P == 0 and hasattr(self._bole_drafter, "grow_trees_async") and not self.discard_request_mask.np[
+                : self.input_batch.num_reqs].any():  # the next drafts behind it, from its tokens on the device
+            self._bole_launched = True
+            self._bole_stats["chained_drafts"] += 1
+            self._bole_propose(None, pending=(res.output_token_ids, res.num_emitted))
+        host = fetch()  # the forward has run
         if self._bole_forward_timer is not None:
             fwd, self._bole_forward_timer = self._bole_forward_timer.seconds(), None
             self._bole_stats["forward_s"] += fwd
@@ -564,8 +574,9 @@ class TreeRunnerMixin:
     def sample_tokens(self, grammar_output):
         state = getattr(self, "execute_model_state", None)
         out = super().sample_tokens(grammar_output)
-        if state is not None:
+        if state is not None and not self._bole_launched:
             self._bole_propose(state.sample_hidden_states)
+        self._bole_launched = False
         return out
 
     def take_draft_token_ids(self):
@@ -576,7 +587,8 @@ class TreeRunnerMixin:
     def bole_stats(self) -> dict:
         """Counters (steps, tree steps, ``graph_tree_steps`` those replayed from a whole CUDA graph
         (``split_tree_steps`` of them beside plain rows, which ran a forward of their own), drafted
-        nodes, accepted nodes; seconds: ``draft_s`` drafting per step (``propose_s`` of it the drafter's
+        nodes, accepted nodes, ``chained_drafts`` (drafts launched behind a tree step's verification, from
+        its tokens on the device); seconds: ``draft_s`` drafting per step (``propose_s`` of it the drafter's
         own, the rest building trees), ``prepare_s`` input preparation per step (host; ``prepare_vllm_s``
         of it vLLM's own), ``forward_s`` the target forward of tree steps (device time on CUDA),
         ``verify_commit_s`` per tree step (host, until the results are queued), ``finish_s`` the tree
@@ -700,9 +712,14 @@ class TreeRunnerMixin:
                 layer.drop(slot)
 
     # ------------------------------------------------------------------ drafting
-    def _bole_propose(self, hidden: torch.Tensor) -> None:
+    def _bole_propose(self, hidden: torch.Tensor | None, pending=None) -> None:
         """Launch the next trees' drafting (read by :meth:`_bole_finish_draft`); ``hidden``: the step's sample
-        hidden states (rows as its logits)."""
+        hidden states (rows as its logits). ``pending`` (a step of trees alone, the paged draft: from
+        :meth:`_sample`, before the host has read the verification): its output tokens ``[B, W]`` and
+        counts ``[B]`` on the device, which the draft appends to the histories there (on CUDA on a stream of
+        its own, so that vLLM's reading of the sampled tokens does not wait for the draft); the histories
+        are then the requests' tokens up to this step's roots, and depths are capped as if every request
+        had accepted ``W`` tokens (only near ``max_model_len``)."""
         t0 = time.perf_counter()
         cfg = self.bole_config
         ib = self.input_batch
@@ -723,6 +740,7 @@ class TreeRunnerMixin:
             self._bole_drafts, self._bole_drafted = DraftTokenIds(req_ids, [[] for _ in req_ids]), None
             self._bole_pending_draft = None
             return
+        W = 0 if pending is None else int(pending[0].shape[1])
         discard = self.discard_request_mask.np[:n]
         roots, hists, depths = [], [], []
         for i, rid in enumerate(req_ids):
@@ -732,18 +750,32 @@ class TreeRunnerMixin:
                 hists.append([])
                 depths.append(0)
                 continue
-            num = int(ib.num_tokens_no_spec[i])
+            num = int(ib.num_computed_tokens_cpu[i]) + 1 if pending is not None else int(ib.num_tokens_no_spec[i])
             hist = ib.token_ids_cpu[i, :num]  # a view: drafters copy what they keep
             roots.append(int(hist[-1]))
             hists.append(hist)
-            depths.append(max(min(cfg.depth, self.max_model_len - num - 1), 0))
+            depths.append(max(min(cfg.depth, self.max_model_len - num - W - 1), 0))
         ctl, cap = budget and budget.controller(self), cfg.fixed_budget or cfg.num_speculative_tokens
-        finish = draft_trees_async(self._bole_drafter, roots, hists, depths, ctl.search_budget(cap) if ctl else cap,
-                                   max_depth=cfg.depth, top_k=cfg.top_k, controller=ctl,
-                                   kv_lens=[len(h) for h in hists], keys=req_ids,
-                                   calibration=self._bole_calibration.factors() if cfg.calibrate else None,
-                                   timings=self._bole_stats)
+        with self._bole_draft_context(pending):
+            finish = draft_trees_async(self._bole_drafter, roots, hists, depths,
+                                       ctl.search_budget(cap) if ctl else cap, max_depth=cfg.depth, top_k=cfg.top_k,
+                                       controller=ctl, kv_lens=[len(h) for h in hists], keys=req_ids,
+                                       calibration=self._bole_calibration.factors() if cfg.calibrate else None,
+                                       timings=self._bole_stats, pending=pending)
         self._bole_pending_draft = (finish, req_ids, time.perf_counter() - t0)
+
+    def _bole_draft_context(self, pending):
+        """Where a launch runs: with ``pending`` on CUDA, the draft's own stream, after everything queued so
+        far (the pending tensors kept for it); else where it is."""
+        if pending is None or torch.device(self.device).type != "cuda":
+            return contextlib.nullcontext()
+        if self._bole_draft_stream is None:
+            self._bole_draft_stream = torch.cuda.Stream(self.device)
+        side = self._bole_draft_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        for t in pending:
+            t.record_stream(side)
+        return torch.cuda.stream(side)
 
     def _bole_finish_draft(self) -> None:
         """The drafts :meth:`_bole_propose` launched, read (the paged draft's step ran on the device

@@ -60,7 +60,7 @@ from vllm_bole.spec_decode.paged_decoder import PagedDecoder
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
 from vllm_bole.transfer import pack, unpack, upload
 
-__all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support"]
+__all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support", "with_pending"]
 logger = logging.getLogger("vllm_bole")
 
 PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -94,6 +94,27 @@ def chain_mask(sizes: Sequence[int], device) -> ChainMask:
     bits = (local[:, None] + 1 - 32 * torch.arange(WORDS)[None, :]).clamp(0, 32)
     words = torch.where(bits == 32, torch.full_like(bits, -1), (1 << bits) - 1).to(torch.int32)
     return ChainMask(upload(cu, device, torch.int32), upload(words, device), int(n.max()) if n.numel() else 0)
+
+
+def with_pending(histories: Sequence, pending) -> tuple[list[int], list[np.ndarray]]:
+    """(roots, histories) with the ``pending`` tokens (device ``[B, W]``, counts ``[B]``) read and appended:
+    the drafters' path when a search needs every token on the host."""
+    tok, cnt = (t.cpu().numpy() for t in pending)
+    hists = [np.concatenate([np.asarray(h, dtype=np.int64), tok[i, : cnt[i]]]) for i, h in enumerate(histories)]
+    return [int(h[-1]) for h in hists], hists
+
+
+def _to_host(t: torch.Tensor) -> Callable[[], np.ndarray]:
+    """``t`` copied to the host behind the queued work: on CUDA into pinned memory without waiting (the
+    callable returned waits for the copy), elsewhere at once (a copy: buffers are reused)."""
+    if t.device.type != "cuda":
+        got = t.numpy().copy()
+        return lambda: got
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return lambda: (done.synchronize(), host.numpy())[1]
 
 
 TAIL = 64  # the last cached tokens a request's new history is checked against (PagePool.cached)
@@ -160,6 +181,12 @@ class PagePool:
         """``hist`` is what the pages of ``key`` now hold (its last :data:`TAIL` tokens are kept, copied)."""
         e = self.entries[key]
         e.length, e.tail = len(hist), np.array(hist[-TAIL:], dtype=np.int64)
+
+    def extend(self, key, tokens: np.ndarray) -> None:
+        """``tokens`` followed what the pages of ``key`` held (a step's pending tokens, read after it)."""
+        e = self.entries.get(key)
+        if e is not None:
+            e.length, e.tail = e.length + len(tokens), np.concatenate([e.tail, tokens]).astype(np.int64)[-TAIL:]
 
     def release(self, key) -> None:
         e = self.entries.pop(key, None)
@@ -458,7 +485,7 @@ class PagedDraftModel:
     @torch.inference_mode()
     def grow_trees_async(self, roots, histories: Sequence, depths: Sequence[int], budget, *,
                          keys: Sequence | None = None, max_depth: int, top_k: int | None = None,
-                         calibration: torch.Tensor | None = None) -> Callable[[], Slots]:
+                         calibration: torch.Tensor | None = None, pending=None) -> Callable[[], Slots]:
         """The best-first trees of ``budget`` draft nodes (int or [B]) per request over the draft's
         per-depth candidates, as the search's :class:`Slots` (CPU), returned by the callable this
         returns: the step is launched now and read when it is called (on CUDA the host does other
@@ -467,50 +494,71 @@ class PagedDraftModel:
         the device inside the step (inside its CUDA graph on CUDA), so only the trees cross to the
         host. A budget over ``max_budget``, a ``top_k`` under the drafter's, or a search wider than
         :data:`SEARCH_WIDTH` is searched on the host instead (at once). Requests with depth 0, an
-        empty history or no room in the pool get their root alone."""
+        empty history or no room in the pool get their root alone.
+
+        ``pending`` (tokens ``[B, W]`` int64, -1 padded, counts ``[B]``, on the device): each request's
+        tokens after its history that the host has not read yet (a verification's accepted tokens and
+        bonus): the step takes them from the device, so it is launched behind the target's step
+        without waiting for it; ``roots`` are then not read (each root is the last pending token)."""
         B = len(histories)
         caps = budgets(budget, B, "cpu")
         if not self.device_search or min(int(top_k or self.top_k), self.top_k) != self.top_k \
                 or int(caps.max()) >= self.slots:
+            if pending is not None:  # read now (a host search needs every token on the host)
+                roots, histories = with_pending(histories, pending)
             found = best_first_slots(roots, self.propose(histories, depths, keys), caps, max_depth=max_depth,
                                      top_k=top_k, calibration=calibration)
             return lambda: found
+        W = 0 if pending is None else int(pending[0].shape[1])
+        if W > self.depth + 1:
+            raise ValueError(f"pending: {W} tokens per request, at most depth + 1 = {self.depth + 1}")
         D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
-        keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D)
-        root = np.asarray(roots, dtype=np.int64).reshape(-1)
+        keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D + W)
+        root = np.zeros(B, dtype=np.int64) if pending is not None else np.asarray(roots, dtype=np.int64).reshape(-1)
         tree = self._root_only.repeat(B, 0)  # root-only trees, then the live rows' searches
         tree[:, 0, PACKED_FIELDS.index("token")] = root
         fetch = None
+        live_pending = None
+        if pending is not None:
+            at = upload(torch.tensor(live, dtype=torch.long), self.device)
+            live_pending = (pending[0][at], pending[1][at])
+            read_pending = _to_host(torch.cat([pending[1][:, None], pending[0]], 1))
         if live:
             search = dict(root=root[live], dep=np.array([dep[i] for i in live]), caps=caps.numpy()[live],
                           cal=calibration)
-            fetch = self._live(live, hists, [keys[i] for i in live], D, search)
+            fetch = self._live(live, hists, [keys[i] for i in live], D, search, live_pending)
 
         def finish() -> Slots:
             if fetch is not None:
                 tree[live] = fetch()
+            if pending is not None:
+                got = read_pending()
+                cnt, tok = got[:, 0], got[:, 1:]
+                tree[:, 0, PACKED_FIELDS.index("token")] = tok[np.arange(B), cnt - 1]
+                for i in live:
+                    self.pool.extend(keys[i], tok[i, : cnt[i]])
             if temp:  # the pages go back once the step that used them is read
                 self.release(keys)
             return unpack_slots(torch.from_numpy(tree))
 
         return finish
 
-    def _prefill(self, live, hists, keys):
-        """Every live request's uncached tokens but its last ``depth + 1`` (at least one: the root)
-        through the draft eagerly (chunks of CHUNK per request and forward: prompts, catch-ups after
-        an eviction); returns (history lengths [n], first tokens left for :meth:`_step` [n], page
-        table [n, W] int32 numpy)."""
-        dev, S = self.device, self.depth + 1
+    def _prefill(self, live, hists, keys, keep: int):
+        """Every live request's uncached tokens but its last ``keep`` (at least one, the root, while
+        ``keep`` > 0) through the draft eagerly (chunks of CHUNK per request and forward: prompts,
+        catch-ups after an eviction); returns (history lengths [n], first tokens left for :meth:`_step`
+        [n], page table [n, W] int32 numpy)."""
+        dev = self.device
         L = np.array([len(hists[i]) for i in live], dtype=np.int64)
-        start = np.array([min(self.pool.cached(k, hists[i]), len(hists[i]) - 1) for k, i in zip(keys, live)])
+        start = np.array([min(self.pool.cached(k, hists[i]), len(hists[i]) - (keep > 0)) for k, i in zip(keys, live)])
         host = self.pool.table(keys, self.width)
         table = None  # on the device once a prefill forward needs it
         while True:
-            rows = np.flatnonzero(L - start > S)
+            rows = np.flatnonzero(L - start > keep)
             if rows.size == 0:
                 break
             table = upload(torch.from_numpy(host), dev) if table is None else table
-            size = np.minimum(L[rows] - start[rows] - S, CHUNK)
+            size = np.minimum(L[rows] - start[rows] - keep, CHUNK)
             toks = np.concatenate([hists[live[r]][start[r] : start[r] + s] for r, s in zip(rows, size)])
             toks = toks.astype(np.int64)
             pos = np.concatenate([np.arange(start[r], start[r] + s) for r, s in zip(rows, size)])
@@ -523,11 +571,13 @@ class PagedDraftModel:
             self.pool.set_tokens(k, hists[i])
         return L, start, host
 
-    def _fill(self, bufs: dict, live, hists, L, start, table, search: dict | None = None) -> None:
+    def _fill(self, bufs: dict, live, hists, L, start, table, search: dict | None = None, pending=None) -> None:
         """The live rows' last tokens, start, count and page-table row (and the search's root, depth, caps and
         calibration) in the first rows of ``bufs``, the rest padding (one token at position 0, every page
         the trash page, no draft nodes): built on the host, one host-to-device copy into ``bufs["inputs"]``
-        (was ~15 launches a step: fills, copies and uploads per field)."""
+        (was ~15 launches a step: fills, copies and uploads per field); with ``pending`` (the live rows'
+        device tokens [n, W] and counts [n], their histories all cached) the tokens, counts and roots then
+        from those, on the device."""
         n, S, B = len(live), self.depth + 1, bufs["tok"].shape[0]
         arrays = {name: np.zeros(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype)
                   for name, shape, dtype in self._inputs(B, "root" in bufs)}  # the buffers' layout
@@ -543,35 +593,43 @@ class PagedDraftModel:
                 arrays["cal"][:] = search["cal"].float().numpy()
         host, _ = pack([torch.from_numpy(a) for a in arrays.values()], pin=self.device.type == "cuda")
         bufs["inputs"].copy_(host, non_blocking=True)
+        if pending is not None:
+            tok, cnt = pending
+            bufs["tok"][:n, : tok.shape[1]] = tok.clamp(min=0)  # -1 padding: junk at scratch positions
+            bufs["count"][:n] = cnt
+            if search:
+                bufs["root"][:n] = tok.gather(1, (cnt - 1)[:, None]).squeeze(1)
 
-    def _eager_step(self, live, hists, L, start, table, steps: int, search: dict | None = None) -> dict:
-        """:meth:`_step` of the live rows without a graph (keys up to the longest history and its
-        ``depth + 1`` scratch positions); returns its buffers."""
+    def _eager_step(self, live, hists, L, start, table, steps: int, search: dict | None = None, pending=None) -> dict:
+        """:meth:`_step` of the live rows without a graph (keys up to the longest history, its pending
+        tokens and ``depth + 1`` scratch positions); returns its buffers."""
         bufs = self._buffers(len(live), steps, search is not None)
-        self._fill(bufs, live, hists, L, start, table, search)
-        self._step(bufs, steps, int(L.max()) + self.depth + 1)
+        self._fill(bufs, live, hists, L, start, table, search, pending)
+        W = 0 if pending is None else pending[0].shape[1]
+        self._step(bufs, steps, int(L.max()) + W + self.depth + 1)
         return bufs
 
     def _catch_up(self, live, hists, keys):
         """Every live request's tokens after its cached prefix through the draft; returns (history
         lengths [n] np, page table [n, W] and the depth-1 top-k tokens / probabilities [n, K] on the
         device)."""
-        L, start, table = self._prefill(live, hists, keys)
+        L, start, table = self._prefill(live, hists, keys, self.depth + 1)
         bufs = self._eager_step(live, hists, L, start, table, 0)
         return L, bufs["table"], bufs["out_t"][:, 0], bufs["out_p"][:, 0]
 
-    def _live(self, live, hists, keys, D, search: dict | None = None) -> Callable:
-        """Launch the live rows' step: the eager prefill, then the last catch-up forward, the chain
-        steps and the search, on CUDA one graph replay per batch bucket. Returns the callable that
-        reads its results: [n, D, K] tokens and probabilities (CPU), or with ``search`` the trees
-        ``[n, slots, PACKED_FIELDS]`` (numpy)."""
-        L, start, table = self._prefill(live, hists, keys)
+    def _live(self, live, hists, keys, D, search: dict | None = None, pending=None) -> Callable:
+        """Launch the live rows' step: the eager prefill, then the last catch-up forward (with ``pending``:
+        every host token prefilled, the step's tokens the pending ones), the chain steps and the search,
+        on CUDA one graph replay per batch bucket. Returns the callable that reads its results: [n, D, K]
+        tokens and probabilities (CPU), or with ``search`` the trees ``[n, slots, PACKED_FIELDS]`` (numpy)."""
+        L, start, table = self._prefill(live, hists, keys, 0 if pending is not None else self.depth + 1)
         if self.cuda_graphs:
             try:
-                return self._replay(live, hists, L, start, table, D, search)
+                return self._replay(live, hists, L, start, table, D, search, pending)
             except RuntimeError as e:
                 self._graphs_failed(e)
-        got = self._read(self._eager_step(live, hists, L, start, table, D - 1, search), len(live), D, search)()
+        bufs = self._eager_step(live, hists, L, start, table, D - 1, search, pending)
+        got = self._read(bufs, len(live), D, search)()
         return lambda: got
 
     @staticmethod
@@ -579,19 +637,11 @@ class PagedDraftModel:
         """The first ``n`` rows' results, copied to the host behind the step (on CUDA into pinned memory
         without waiting: the callable returned waits for the copy, the step's one synchronisation)."""
         if search:
-            out = bufs["tree"][:n]
-            if out.device.type != "cuda":
-                got = out.numpy().copy()  # the bucket's buffers are overwritten by its next replay
-                return lambda: got
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return lambda: (done.synchronize(), host.numpy())[1]
+            return _to_host(bufs["tree"][:n])
         toks, probs = (bufs[k][:n, :D].to("cpu", copy=True) for k in ("out_t", "out_p"))
         return lambda: (toks, probs)
 
-    def _replay(self, live, hists, L, start, table, D, search: dict | None = None) -> Callable:
+    def _replay(self, live, hists, L, start, table, D, search: dict | None = None, pending=None) -> Callable:
         """The step through the captured graphs (buckets of at most the largest one), results as
         :meth:`_live`'s."""
         out = []
@@ -599,7 +649,8 @@ class PagedDraftModel:
             e = min(len(live), s + BUCKETS[-1])
             graph, bufs = self._step_graph(next(b for b in BUCKETS if b >= e - s))
             part = search and {k: v if k == "cal" else v[s:e] for k, v in search.items()}
-            self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e], part)
+            self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e], part,
+                       pending and (pending[0][s:e], pending[1][s:e]))
             graph.replay()
             out.append(self._read(bufs, e - s, D, search))
         if search:

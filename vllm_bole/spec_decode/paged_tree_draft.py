@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vllm_bole.spec_decode.best_first import Slots, budgets, grow
-from vllm_bole.spec_decode.paged_draft import WORDS, PagedDraftModel
+from vllm_bole.spec_decode.paged_draft import WORDS, PagedDraftModel, with_pending
 from vllm_bole.spec_decode.tree import MAX_NODES
 
 __all__ = ["PagedTreeDraftModel"]
@@ -56,10 +56,13 @@ class PagedTreeDraftModel(PagedDraftModel):
         return f"paged tree, {self.beam} frontier nodes per depth ({self.pool.num_pages} pages of " \
                f"{self.pool.page_size}, eager)"
 
-    def grow_trees_async(self, *args, **kwargs):
+    def grow_trees_async(self, roots, histories, *args, pending=None, **kwargs):
         """:meth:`grow_trees` now (node by node: each depth's forward waits for the previous depth's
-        search), its result returned by the callable (the interface of the per-depth drafter's)."""
-        found = self.grow_trees(*args, **kwargs)
+        search), its result returned by the callable (the interface of the per-depth drafter's; ``pending``
+        tokens on the device are read first)."""
+        if pending is not None:
+            roots, histories = with_pending(histories, pending)
+        found = self.grow_trees(roots, histories, *args, **kwargs)
         return lambda: found
 
     @torch.inference_mode()

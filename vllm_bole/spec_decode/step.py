@@ -41,7 +41,7 @@ def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequenc
                       depths: Sequence[int], budget: int, *, max_depth: int, top_k: int | None = None,
                       controller: BudgetController | None = None, kv_lens: Sequence[int] | None = None,
                       keys: Sequence | None = None, calibration: torch.Tensor | None = None,
-                      timings: dict | None = None) -> Callable[[], tuple[TreeBatch, Choice | None]]:
+                      timings: dict | None = None, pending=None) -> Callable[[], tuple[TreeBatch, Choice | None]]:
     """Best-first trees of at most ``budget`` draft nodes per request from the drafter's per-depth
     candidates (or drafted node by node by a :class:`~vllm_bole.spec_decode.candidates.TreeDrafter`);
     a request with depth 0 (or no candidates) gets its root alone. ``roots`` [B] are the last
@@ -54,16 +54,23 @@ def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequenc
     the builder's per (depth, kind) factors (:class:`~vllm_bole.spec_decode.calibration.Calibration`).
     The trees carry the drafter's probability of every node (``draft_prob``). ``timings``: a dict to
     which ``propose_s`` (the drafter's own seconds, launch and wait; the rest is building the trees)
-    is added."""
+    is added. ``pending`` (tokens ``[B, W]``, counts ``[B]``, on the device; a drafter with
+    ``grow_trees_async`` only): tokens after the histories that the host has not read yet."""
     opts = dict(max_depth=max_depth, top_k=top_k, calibration=calibration)
     t0 = time.perf_counter()
     # with a controller: one search at ``budget``, cut to the chosen budgets (``Slots.prune``: the
     # best-first trees of those budgets over the same expansions)
     if hasattr(drafter, "grow_trees_async"):
-        pending = drafter.grow_trees_async(roots, histories, depths, budget, keys=keys, **opts)
-    elif isinstance(drafter, TreeDrafter):  # drafted node by node
+        launched = drafter.grow_trees_async(roots, histories, depths, budget, keys=keys, pending=pending, **opts)
+        _add(timings, t0)
+        return _finish(launched, controller, kv_lens, timings)
+    if pending is not None:
+        raise ValueError(f"pending: tokens on the device need a drafter with grow_trees_async, not "
+                         f"{type(drafter).__name__}")
+    if isinstance(drafter, TreeDrafter):  # drafted node by node
         full = drafter.grow_trees(roots, histories, depths, budget, keys=keys, **opts)
-        pending = lambda: full  # noqa: E731
+        _add(timings, t0)
+        return _finish(lambda: full, controller, kv_lens, timings)
     else:
         cands = drafter.propose(histories, depths, keys=keys)
         _add(timings, t0)
@@ -72,8 +79,6 @@ def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequenc
             return lambda: (tree, None)
         full = best_first_slots(roots, cands, budget, **opts)
         return _finish(lambda: full, controller, kv_lens, None)
-    _add(timings, t0)
-    return _finish(pending, controller, kv_lens, timings)
 
 
 def _finish(pending: Callable, controller: BudgetController | None, kv_lens, timings: dict | None) -> Callable:

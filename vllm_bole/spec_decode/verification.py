@@ -59,7 +59,7 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -101,9 +101,27 @@ class VerificationResult:
         """On ``device``, in ONE copy (packed: a device-to-host copy is a stream sync each)."""
         if self.output_token_ids.device == torch.device(device):
             return self
+        return self._unpacked(self._packed().to(device))
+
+    def to_host_async(self) -> Callable[[], "VerificationResult"]:
+        """The result on the host, copied behind the work queued so far without waiting for it (CUDA: into
+        pinned memory, one copy): the callable waits for that copy only, not for work queued after it."""
+        if self.output_token_ids.device.type != "cuda":
+            got = self.to("cpu")
+            return lambda: got
+        packed = self._packed()
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: (done.synchronize(), self._unpacked(host))[1]
+
+    def _packed(self) -> torch.Tensor:
+        return torch.cat([self.output_token_ids, self.num_emitted[:, None], self.accepted_nodes,
+                          self.last_node[:, None]], 1)
+
+    def _unpacked(self, packed: torch.Tensor) -> "VerificationResult":
         W = self.output_token_ids.shape[1]
-        packed = torch.cat([self.output_token_ids, self.num_emitted[:, None], self.accepted_nodes,
-                            self.last_node[:, None]], 1).to(device)
         return VerificationResult(packed[:, :W], packed[:, W], packed[:, W + 1: 2 * W + 1], packed[:, 2 * W + 1])
 
     def tokens(self, r: int) -> list[int]:
