@@ -524,6 +524,7 @@ class TreeRunnerMixin:
             self._bole_launched = True
             self._bole_stats["chained_drafts"] += 1
             self._bole_propose(None, pending=(res.output_token_ids, res.num_emitted))
+            t1 = time.perf_counter()  # the launch counts as drafting (draft_s), not as this step's finish
         host = fetch()  # the forward has run
         if self._bole_forward_timer is not None:
             fwd, self._bole_forward_timer = self._bole_forward_timer.seconds(), None
