@@ -117,9 +117,11 @@
 # `parts` x2 with the pieces, `newarchs` with NEWARCHS="qwen3_next falcon_h1 qwen3_5" (360 s: all three pass),
 # `parts unpack online` with 06-07 + .pair/data (an empty ONLINE_MODES passed a bare `--mode`: fixed), `online` with
 # ONLINE_MODES="ar vllm_chain bole_tree" TREE_GRAPHS=1 (352 s), then profile_step.py at batch 1 (208 s): 1622 s.
-# Next stay: parts x2, `install`, the pieces, `parts unpack matrix` as in the twelfth session (does the per-request
-# switch bring `"auto"` to the best fixed budget on HumanEval?), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=570
-# `newarchs` (Zamba2's draft-model row alone), then `online` (every mode).
+# Next stay: parts x2, `install`, the pieces, `parts unpack matrix` as in the twelfth session (the rows' `chained_drafts`
+# say the drafts ran behind the verification on their own stream: does the step at c = 1 drop from 7.2-7.7 ms?
+# does the per-request switch bring `"auto"` to the best fixed budget on HumanEval?), then `graphs` (the tiny fp32
+# pair identical with the chained drafts on CUDA streams), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=570 `newarchs`
+# (Zamba2's draft-model row alone), then `online` (every mode).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
