@@ -86,16 +86,9 @@ def test_trees_searched_in_the_step_equal_the_host_search(tiny, graphs, monkeypa
     history, four steps of growing histories; a budget over ``max_budget`` and a smaller ``top_k`` take
     the host search. ``graphs``: the step through the graph path's static buffers and batch buckets
     (replayed eagerly, as in ``test_graph_replay_path_on_cpu``)."""
-    from vllm_bole.spec_decode import paged_draft
     from vllm_bole.spec_decode.best_first import best_first_slots
 
-    if graphs:
-        monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4, 8))
-        monkeypatch.setattr(PagedDraftModel, "_step_graph", _eager_graph)
-    path = str(tiny["llama"])
-    pd, ref = (PagedDraftModel(path, top_k=4, max_len=256, depth=5, max_requests=6, kernels="torch", max_budget=12)
-               for _ in range(2))
-    pd.cuda_graphs = graphs
+    pd, ref = _drafter_pair(tiny, graphs, monkeypatch)
     g = torch.Generator().manual_seed(8)
     hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (5, 17, 1, 40, 30, 0)]
     depths, keys = [4, 2, 5, 5, 0, 5], list("abcdef")
@@ -113,7 +106,7 @@ def test_trees_searched_in_the_step_equal_the_host_search(tiny, graphs, monkeypa
         got = pd.grow_trees(roots, hists, depths, budget, keys=keys, max_depth=5, top_k=top_k)
         assert_same_slots(got, best_first_slots(roots, ref.propose(hists, depths, keys=keys), budget, max_depth=5,
                                                 top_k=top_k))
-    wide, wide_ref = (PagedDraftModel(path, top_k=16, max_len=256, depth=5, max_requests=6, kernels="torch",
+    wide, wide_ref = (PagedDraftModel(str(tiny["llama"]), top_k=16, max_len=256, depth=5, max_requests=6, kernels="torch",
                                       max_budget=255) for _ in range(2))
     assert not wide.device_search  # 256 slots x 17 candidates > SEARCH_WIDTH: the host searches, same trees
     assert_same_slots(wide.grow_trees(roots, hists, depths, 30, keys=keys, max_depth=5),
@@ -130,15 +123,7 @@ def test_pending_tokens_on_the_device_equal_host_histories(tiny, graphs, monkeyp
     prefilled first), one evicted and caught up, a zero depth; then the host search's fallback (a budget
     over ``max_budget``) reads the pending tokens first. (Histories are never empty here: a pending
     token follows a root.)"""
-    from vllm_bole.spec_decode import paged_draft
-
-    if graphs:
-        monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4, 8))
-        monkeypatch.setattr(PagedDraftModel, "_step_graph", _eager_graph)
-    path = str(tiny["llama"])
-    pd, ref = (PagedDraftModel(path, top_k=4, max_len=256, depth=5, max_requests=6, kernels="torch", max_budget=12)
-               for _ in range(2))
-    pd.cuda_graphs = graphs
+    pd, ref = _drafter_pair(tiny, graphs, monkeypatch)
     g = torch.Generator().manual_seed(5)
     hists = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (5, 17, 9, 40, 30, 1)]
     depths, keys = [4, 2, 5, 5, 0, 5], list("abcdef")
@@ -170,6 +155,20 @@ def test_pending_tokens_on_the_device_equal_host_histories(tiny, graphs, monkeyp
     got = pd.grow_trees_async(None, hists, depths, 13, keys=keys, max_depth=5, pending=(new, torch.ones(6).long()))()
     hists = [h + [7] for h in hists]
     assert_same_slots(got, ref.grow_trees([7] * 6, hists, depths, 13, keys=keys, max_depth=5), atol=TOL)
+
+
+def _drafter_pair(tiny, graphs: bool, monkeypatch):
+    """Two paged drafters of the tiny Llama (budget 12, top 4, depth 5): the one under test, through the
+    graph path's static buffers and batch buckets when ``graphs`` (replayed eagerly), and a reference."""
+    from vllm_bole.spec_decode import paged_draft
+
+    if graphs:
+        monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4, 8))
+        monkeypatch.setattr(PagedDraftModel, "_step_graph", _eager_graph)
+    pd, ref = (PagedDraftModel(str(tiny["llama"]), top_k=4, max_len=256, depth=5, max_requests=6, kernels="torch",
+                               max_budget=12) for _ in range(2))
+    pd.cuda_graphs = graphs
+    return pd, ref
 
 
 def _eager_graph(self, B):
