@@ -66,6 +66,19 @@ class _Bucket:
 
 
 @dataclass
+class _Own:
+    """A request's last tree steps' tokens and their running sum (a decision reads every request's mean)."""
+    steps: collections.deque
+    total: float = 0.0
+
+    def add(self, tokens: float) -> None:
+        if len(self.steps) == self.steps.maxlen:
+            self.total -= self.steps[0]
+        self.steps.append(tokens)
+        self.total += tokens
+
+
+@dataclass
 class SpeculationSwitch:
     probe: int = 4  # steps per probe of a mode (the first is the switch's, not timed)
     explore_every: int = 128  # steps between probes of the slower mode
@@ -73,7 +86,7 @@ class SpeculationSwitch:
     yields: int = 128  # decode steps' tokens per mode and bucket in the estimate
     prior_weight: float = 4.0  # the bucket's mean in a request's own estimate, as that many tree steps
     buckets: dict = field(default_factory=dict)  # power of two -> _Bucket
-    own: dict = field(default_factory=dict)  # request key -> deque of its last tree steps' tokens
+    own: dict = field(default_factory=dict)  # request key -> _Own: its last tree steps' tokens
     tried: set = field(default_factory=set)  # requests whose arrival started a probe of trees
 
     def __post_init__(self):
@@ -104,11 +117,10 @@ class SpeculationSwitch:
             unseen = [m for m in (True, False) if not (b.seconds[m] and b.yields[m])]
             rate = self._rates(b, keys)
             best = rate.get(True, 0.0) >= rate.get(False, 0.0)
-            new = [k for k in keys or () if len(self.own.get(k, ())) < self.probe and k not in self.tried]
             since = b.steps - b.last_probe
             if unseen:  # a first probe of each mode
                 b.mode, b.left, b.last_probe = unseen[0], self.probe, b.steps
-            elif not best and new and 2 * len(new) >= len(keys):  # requests that barely ran a tree step
+            elif not best and keys and 2 * len(new := self._untried(keys)) >= len(keys):  # barely tried
                 self.tried.update(new)
                 b.mode, b.left, b.last_probe = True, self.probe, b.steps
             elif since >= 4 * self.probe and since >= self._interval(b, not best, rate, keys):
@@ -128,7 +140,7 @@ class SpeculationSwitch:
             return self.explore_every
         n = len(y)
         if slower and keys:
-            n = statistics.fmean(len(self.own.get(k, ())) + self.prior_weight for k in keys)
+            n = sum(self._seen(k) for k in keys) / len(keys) + self.prior_weight
         se = statistics.stdev(y) / statistics.fmean(y) / n ** 0.5 if statistics.fmean(y) > 0 else 0.0
         return 4 * self.probe if rate[slower] * (1 + 2 * se) >= rate[not slower] else self.explore_every
 
@@ -142,8 +154,9 @@ class SpeculationSwitch:
                 for m in (True, False) if b.yields[m] and b.seconds[m]}
         if keys and True in rate:
             pooled, w = statistics.fmean(b.yields[True]), self.prior_weight
-            own = [self.own.get(k, ()) for k in keys]
-            tokens = statistics.fmean((sum(y) + w * pooled) / (len(y) + w) for y in own)
+            none = _Own(collections.deque())
+            own = [self.own.get(k, none) for k in keys]
+            tokens = sum((o.total + w * pooled) / (len(o.steps) + w) for o in own) / len(own)
             rate[True] = tokens / statistics.median(b.seconds[True])
         return rate
 
@@ -169,7 +182,19 @@ class SpeculationSwitch:
         if seconds is not None and seconds > 0:
             b.seconds[speculated].append(seconds)
         for k, n in (per_request or {}).items() if speculated else ():
-            self.own.setdefault(k, collections.deque(maxlen=self.yields)).append(n)
+            o = self.own.get(k)
+            if o is None:
+                o = self.own[k] = _Own(collections.deque(maxlen=self.yields))
+            o.add(n)
+
+    def _untried(self, keys) -> list:
+        """The requests of ``keys`` with fewer than ``probe`` tree steps whose arrival started no probe yet."""
+        return [k for k in keys if self._seen(k) < self.probe and k not in self.tried]
+
+    def _seen(self, key) -> int:
+        """Tree steps of ``key`` in its estimate."""
+        o = self.own.get(key)
+        return len(o.steps) if o is not None else 0
 
     def forget(self, keys) -> None:
         """Finished requests: their own tree steps leave the estimates."""
