@@ -35,11 +35,11 @@ def test_padding_trees_are_stars(requests, tokens):
     assert pad["sizes"].sum() == tokens and (pad["sizes"] >= 1).all() and (pad["sizes"] <= NODES).all()
     ref = TreeBatch.from_parents([[-1] + [0] * (int(n) - 1) for n in pad["sizes"]],
                                  [[0] * int(n) for n in pad["sizes"]])
-    assert torch.equal(torch.from_numpy(pad["parent"]), ref.parent)
-    assert torch.equal(torch.from_numpy(pad["depth"]), ref.depth)
-    assert torch.equal(torch.from_numpy(pad["anc_mask"]), ref.anc_mask)
+    assert torch.equal(torch.tensor(pad["parent"]), ref.parent)
+    assert torch.equal(torch.tensor(pad["depth"]), ref.depth)
+    assert torch.equal(torch.tensor(pad["anc_mask"]), ref.anc_mask)
     w = ref.path.shape[1]
-    assert torch.equal(torch.from_numpy(pad["path"])[:, :w], ref.path)
+    assert torch.equal(torch.tensor(pad["path"])[:, :w], ref.path)
 
 
 def _padded(tree, bucket, prefix, tables, slots, depth=8, max_len=4096):
@@ -60,7 +60,7 @@ def test_static_step_holds_the_step_then_padding_requests():
     assert s.tree.num_nodes == T and s.tree.num_requests == bucket[0]
     assert torch.equal(s.tree.parent[:t], tree.parent) and torch.equal(s.tree.anc_mask[:t], tree.anc_mask)
     assert torch.equal(s.tree.cu_nodes[:4], tree.cu_nodes)
-    assert torch.equal(s.tree.nodes_per_request[3:].long(), torch.from_numpy(pad["sizes"]))
+    assert torch.equal(s.tree.nodes_per_request[3:].long(), torch.tensor(pad["sizes"]))
     assert s.prefix_len.tolist() == [5, 0, 7] + [0] * (bucket[0] - 3)
     assert s.block_tables[0][:3].tolist() == tables[0].tolist() and not s.block_tables[0][3:].any()
     assert s.state_slots[1].tolist() == [3, 4, 5] + [0] * (bucket[0] - 3)
