@@ -141,12 +141,14 @@ class StepBudget:
         self.stats["plain_decode_steps"] += not self.decided
         return self.decided
 
-    def observe(self, num_requests: int, tokens: int, kv_tokens: float) -> tuple[float, float] | None:
-        """The tree step begun at :meth:`start` has its sampled tokens on the host; returns (predicted,
-        measured) seconds where the controller predicted this step."""
+    def observe(self, num_requests: int, tokens: int, kv_tokens: float,
+                drafting_s: float = 0.0) -> tuple[float, float] | None:
+        """The tree step begun at :meth:`start` has its sampled tokens on the host (``drafting_s`` of that
+        time spent launching the next drafts: not the step's); returns (predicted, measured) seconds where
+        the controller predicted this step."""
         if self.ctl is None or self.t0 is None:
             return None
-        measured, self.t0 = time.perf_counter() - self.t0, None
+        measured, self.t0 = time.perf_counter() - self.t0 - drafting_s, None
         if self.last is not None:
             self.last["forward_s"] = measured
         bucket = int(self.ctl.bucket([tokens])[0])

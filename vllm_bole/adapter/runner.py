@@ -144,9 +144,9 @@ class TreeRunnerMixin:
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, mixed_tree_steps=0,
-                                prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0, chained_drafts=0,
-                                accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0, verify_commit_s=0.0,
-                                finish_s=0.0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0)
+                                prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
+                                chained_drafts=0, accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0,
+                                verify_commit_s=0.0, finish_s=0.0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0)
         self._bole_forward_timer: _ForwardTimer | None = None
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
@@ -519,12 +519,14 @@ class TreeRunnerMixin:
         self._bole_metrics.observe("vllm:bole_verify_commit_seconds", t1 - t0)
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
         fetch = res.to_host_async()  # the step's results, copied to the host behind its commit
+        launch_s = 0.0  # drafting (draft_s), not this step's finish or its measured time
         if P == 0 and hasattr(self._bole_drafter, "grow_trees_async") and not self.discard_request_mask.np[
                 : self.input_batch.num_reqs].any():  # the next drafts behind it, from its tokens on the device
             self._bole_launched = True
             self._bole_stats["chained_drafts"] += 1
             self._bole_propose(None, pending=(res.output_token_ids, res.num_emitted))
-            t1 = time.perf_counter()  # the launch counts as drafting (draft_s), not as this step's finish
+            launch_s = time.perf_counter() - t1
+            t1 += launch_s
         host = fetch()  # the forward has run
         if self._bole_forward_timer is not None:
             fwd, self._bole_forward_timer = self._bole_forward_timer.seconds(), None
@@ -557,7 +559,7 @@ class TreeRunnerMixin:
         if self._bole_budget is not None:
             self._bole_budget.emitted(P + tree.num_requests + sum(acc), {r: 1 + a for r, a in zip(step.req_ids, acc)})
             times = self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
-                                              float(step.prefix_len.sum()))
+                                              float(step.prefix_len.sum()), launch_s)
             if times is not None:
                 self._bole_metrics.observe("vllm:bole_step_predicted_seconds", times[0])
                 self._bole_metrics.observe("vllm:bole_step_measured_seconds", times[1])

@@ -157,7 +157,8 @@ class StaticStep:
             h[name].fill(0)
         h["cu"][0] = 0
         if tree is not None:
-            h["parent"][:t], h["depth"][:t], h["cu"][: b + 1] = tree.parent.numpy(), tree.depth.numpy(), tree.cu_nodes.numpy()
+            h["parent"][:t], h["depth"][:t] = tree.parent.numpy(), tree.depth.numpy()
+            h["cu"][: b + 1] = tree.cu_nodes.numpy()
             h["path"][:t, : tree.path.shape[1]], h["anc"][:t] = tree.path.numpy(), tree.anc_mask.numpy()
             h["prefix"][:b] = prefix
             for g, tab in tables.items():

@@ -76,8 +76,8 @@ def kind_counts(tree: TreeBatch, accepted_nodes: torch.Tensor) -> torch.Tensor:
     q = tree.draft_prob.cpu().double().numpy() if tree.draft_prob is not None else np.zeros(T)
     bucket = tree.depth.cpu().numpy().astype(np.int64) * len(KINDS) + node_kinds(tree).cpu().numpy()
     size = (MAX_DEPTH + 1) * len(KINDS)
-    out = np.stack([np.bincount(bucket, weights=w, minlength=size) for w in
-                    (reached.astype(np.float64), (accepted & has_parent).astype(np.float64), np.where(reached, q, 0.0))], 1)
+    weights = (reached.astype(np.float64), (accepted & has_parent).astype(np.float64), np.where(reached, q, 0.0))
+    out = np.stack([np.bincount(bucket, weights=w, minlength=size) for w in weights], 1)
     return torch.from_numpy(out).view(MAX_DEPTH + 1, len(KINDS), len(COUNTS))
 
 
