@@ -137,7 +137,6 @@ class TreeRunnerMixin:
         # (read the launched drafts, request ids, launch seconds): read when vLLM takes the drafts
         self._bole_pending_draft = None
         self._bole_launched = False  # this step's drafts were launched behind its verification (_sample)
-        self._bole_draft_stream = None  # CUDA: the stream those drafts run on
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
@@ -759,26 +758,13 @@ class TreeRunnerMixin:
             hists.append(hist)
             depths.append(max(min(cfg.depth, self.max_model_len - num - W - 1), 0))
         ctl, cap = budget and budget.controller(self), cfg.fixed_budget or cfg.num_speculative_tokens
-        with self._bole_draft_context(pending):
+        with self._bole_drafter.after(pending) if pending is not None else contextlib.nullcontext():
             finish = draft_trees_async(self._bole_drafter, roots, hists, depths,
                                        ctl.search_budget(cap) if ctl else cap, max_depth=cfg.depth, top_k=cfg.top_k,
                                        controller=ctl, kv_lens=[len(h) for h in hists], keys=req_ids,
                                        calibration=self._bole_calibration.factors() if cfg.calibrate else None,
                                        timings=self._bole_stats, pending=pending)
         self._bole_pending_draft = (finish, req_ids, time.perf_counter() - t0)
-
-    def _bole_draft_context(self, pending):
-        """Where a launch runs: with ``pending`` on CUDA, the draft's own stream, after everything queued so
-        far (the pending tensors kept for it); else where it is."""
-        if pending is None or torch.device(self.device).type != "cuda":
-            return contextlib.nullcontext()
-        if self._bole_draft_stream is None:
-            self._bole_draft_stream = torch.cuda.Stream(self.device)
-        side = self._bole_draft_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        for t in pending:
-            t.record_stream(side)
-        return torch.cuda.stream(side)
 
     def _bole_finish_draft(self) -> None:
         """The drafts :meth:`_bole_propose` launched, read (the paged draft's step ran on the device

@@ -43,6 +43,7 @@ that step (its tree is its root alone: nothing lost but speed).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -267,6 +268,7 @@ class PagedDraftModel:
         self.graph_error: str | None = None
         self._graphs: dict = {}
         self._pool = None
+        self._stream = None  # CUDA: the stream of launches behind the current one's work (:meth:`after`)
 
     @property
     def runtime(self) -> str:
@@ -435,6 +437,19 @@ class PagedDraftModel:
             for b in (1, 3):
                 self.propose([np.arange(n, dtype=np.int64) % vocab] * b, [self.depth] * b)
         return 2 * len(lengths)
+
+    def after(self, tensors) -> contextlib.AbstractContextManager:
+        """Where a launch reading the device ``tensors`` (pending tokens) runs: on CUDA the draft's own
+        stream, after the work queued so far on the current one (the tensors kept alive for it), so that
+        a later synchronisation of the current stream does not wait for the draft; elsewhere here."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in tensors:
+            t.record_stream(self._stream)
+        return torch.cuda.stream(self._stream)
 
     def _graphs_failed(self, e: RuntimeError) -> None:
         """A capture was refused (e.g. a kernel that syncs): eager steps from now on, said once."""
