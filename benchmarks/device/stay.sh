@@ -117,7 +117,9 @@
 # `parts` x2 with the pieces, `newarchs` with NEWARCHS="qwen3_next falcon_h1 qwen3_5" (360 s: all three pass),
 # `parts unpack online` with 06-07 + .pair/data (an empty ONLINE_MODES passed a bare `--mode`: fixed), `online` with
 # ONLINE_MODES="ar vllm_chain bole_tree" TREE_GRAPHS=1 (352 s), then profile_step.py at batch 1 (208 s): 1622 s.
-# Next stay: parts x2, `install`, the pieces, `parts unpack matrix` as in the twelfth session (the rows' `chained_drafts`
+# Next stay: first, with .pair/tiny (no vLLM needed, ~1 min), `draftasync` (check_draft_async.py now also checks the
+# launch behind a step: pending tokens on the draft's own CUDA stream, `pending_equal`, the current stream's sync not
+# waiting for the draft); then parts x2, `install`, the pieces, `parts unpack matrix` as in the twelfth session (the rows' `chained_drafts`
 # say the drafts ran behind the verification on their own stream: does the step at c = 1 drop from 7.2-7.7 ms?
 # does the per-request switch bring `"auto"` to the best fixed budget on HumanEval?), then `graphs` (the tiny fp32
 # pair identical with the chained drafts on CUDA streams), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=570 `newarchs`
@@ -213,7 +215,7 @@ stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against 
 stage_draftasync() {  # the runner's drafting path on CUDA outside vLLM (needs /tmp/tiny): trees read behind the step
     timeout 120 python3 benchmarks/device/check_draft_async.py /tmp/tiny/llama > "$OUT/draft_async.log" 2>&1
     tail -8 "$OUT/draft_async.log" | cut -c1-200
-    grep -q '"equal": true' "$OUT/draft_async.json"
+    grep -q '"equal": true' "$OUT/draft_async.json" && grep -q '"pending_equal": true' "$OUT/draft_async.json"
 }
 
 stage_smoke() {  # the tree step and the paged draft (CUDA graphs) on tiny fp32 checkpoints: no training needed
