@@ -6,14 +6,17 @@ profile of a tree step showed 24 such copies per step (tree metadata, block tabl
 :func:`upload` stages through pinned memory and copies asynchronously instead (PyTorch's caching
 host allocator keeps the staging block alive until the copy has run); :func:`upload_many` packs
 several tensors into one staging buffer, allocated pinned, so a step's tree metadata crosses in one
-copy.
+copy. The other way, :func:`download_async` copies behind the queued work into pinned memory and waits
+only when its result is read.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import torch
 
-__all__ = ["upload", "upload_many"]
+__all__ = ["download_async", "upload", "upload_many"]
 
 
 def upload(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -24,6 +27,20 @@ def upload(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.T
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device) if dtype is None else t.to(device, dtype)
+
+
+def download_async(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``t`` copied to the host behind the work queued so far: on CUDA into pinned memory without waiting
+    (the callable returned waits for that copy only, not for work queued after it), elsewhere at once (a
+    copy: the source may be a buffer that is reused)."""
+    if t.device.type != "cuda":
+        got = t.clone()
+        return lambda: got
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return lambda: (done.synchronize(), host)[1]
 
 
 def upload_many(tensors, device) -> list:

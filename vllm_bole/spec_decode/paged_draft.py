@@ -59,7 +59,7 @@ from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
-from vllm_bole.transfer import pack, unpack, upload
+from vllm_bole.transfer import download_async, pack, unpack, upload
 
 __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support", "with_pending"]
 logger = logging.getLogger("vllm_bole")
@@ -68,6 +68,7 @@ PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the step
 WORDS = (MAX_NODES + 31) // 32
+TOKEN = PACKED_FIELDS.index("token")  # the packed trees' token field
 # the device search's candidates per request and level at most, slots x (1 + top_k): its [B, width, 6]
 # float64 intermediates are ~0.2 GB at B = 1024 (the largest bucket) and 4096; beyond it the host searches
 SEARCH_WIDTH = 4096
@@ -103,19 +104,6 @@ def with_pending(histories: Sequence, pending) -> tuple[list[int], list[np.ndarr
     tok, cnt = (t.cpu().numpy() for t in pending)
     hists = [np.concatenate([np.asarray(h, dtype=np.int64), tok[i, : cnt[i]]]) for i, h in enumerate(histories)]
     return [int(h[-1]) for h in hists], hists
-
-
-def _to_host(t: torch.Tensor) -> Callable[[], np.ndarray]:
-    """``t`` copied to the host behind the queued work: on CUDA into pinned memory without waiting (the
-    callable returned waits for the copy), elsewhere at once (a copy: buffers are reused)."""
-    if t.device.type != "cuda":
-        got = t.numpy().copy()
-        return lambda: got
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return lambda: (done.synchronize(), host.numpy())[1]
 
 
 TAIL = 64  # the last cached tokens a request's new history is checked against (PagePool.cached)
@@ -531,13 +519,13 @@ class PagedDraftModel:
         keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D + W)
         root = np.zeros(B, dtype=np.int64) if pending is not None else np.asarray(roots, dtype=np.int64).reshape(-1)
         tree = self._root_only.repeat(B, 0)  # root-only trees, then the live rows' searches
-        tree[:, 0, PACKED_FIELDS.index("token")] = root
+        tree[:, 0, TOKEN] = root
         fetch = None
         live_pending = None
         if pending is not None:
             at = upload(torch.tensor(live, dtype=torch.long), self.device)
             live_pending = (pending[0][at], pending[1][at])
-            read_pending = _to_host(torch.cat([pending[1][:, None], pending[0]], 1))
+            read_pending = download_async(torch.cat([pending[1][:, None], pending[0]], 1))
         if live:
             search = dict(root=root[live], dep=np.array([dep[i] for i in live]), caps=caps.numpy()[live],
                           cal=calibration)
@@ -547,9 +535,9 @@ class PagedDraftModel:
             if fetch is not None:
                 tree[live] = fetch()
             if pending is not None:
-                got = read_pending()
+                got = read_pending().numpy()
                 cnt, tok = got[:, 0], got[:, 1:]
-                tree[:, 0, PACKED_FIELDS.index("token")] = tok[np.arange(B), cnt - 1]
+                tree[:, 0, TOKEN] = tok[np.arange(B), cnt - 1]
                 for i in live:
                     self.pool.extend(keys[i], tok[i, : cnt[i]])
             if temp:  # the pages go back once the step that used them is read
@@ -652,7 +640,8 @@ class PagedDraftModel:
         """The first ``n`` rows' results, copied to the host behind the step (on CUDA into pinned memory
         without waiting: the callable returned waits for the copy, the step's one synchronisation)."""
         if search:
-            return _to_host(bufs["tree"][:n])
+            get = download_async(bufs["tree"][:n])  # the bucket's buffers are overwritten by its next replay
+            return lambda: get().numpy()
         toks, probs = (bufs[k][:n, :D].to("cpu", copy=True) for k in ("out_t", "out_p"))
         return lambda: (toks, probs)
 

@@ -62,15 +62,12 @@ def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequenc
     # best-first trees of those budgets over the same expansions)
     if hasattr(drafter, "grow_trees_async"):
         launched = drafter.grow_trees_async(roots, histories, depths, budget, keys=keys, pending=pending, **opts)
-        _add(timings, t0)
-        return _finish(launched, controller, kv_lens, timings)
-    if pending is not None:
+    elif pending is not None:
         raise ValueError(f"pending: tokens on the device need a drafter with grow_trees_async, not "
                          f"{type(drafter).__name__}")
-    if isinstance(drafter, TreeDrafter):  # drafted node by node
+    elif isinstance(drafter, TreeDrafter):  # drafted node by node
         full = drafter.grow_trees(roots, histories, depths, budget, keys=keys, **opts)
-        _add(timings, t0)
-        return _finish(lambda: full, controller, kv_lens, timings)
+        launched = lambda: full  # noqa: E731
     else:
         cands = drafter.propose(histories, depths, keys=keys)
         _add(timings, t0)
@@ -79,6 +76,8 @@ def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequenc
             return lambda: (tree, None)
         full = best_first_slots(roots, cands, budget, **opts)
         return _finish(lambda: full, controller, kv_lens, None)
+    _add(timings, t0)
+    return _finish(launched, controller, kv_lens, timings)
 
 
 def _finish(pending: Callable, controller: BudgetController | None, kv_lens, timings: dict | None) -> Callable:

@@ -66,6 +66,7 @@ import torch
 from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.sampling import SAMPLING_EPS, per_row, sample_rows, target_probs
 from vllm_bole.spec_decode.tree import TreeBatch
+from vllm_bole.transfer import download_async
 
 __all__ = [
     "SAMPLING_EPS",
@@ -107,14 +108,9 @@ class VerificationResult:
         """The result on the host, copied behind the work queued so far without waiting for it (CUDA: into
         pinned memory, one copy): the callable waits for that copy only, not for work queued after it."""
         if self.output_token_ids.device.type != "cuda":
-            got = self.to("cpu")
-            return lambda: got
-        packed = self._packed()
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return lambda: (done.synchronize(), self._unpacked(host))[1]
+            return lambda: self
+        get = download_async(self._packed())
+        return lambda: self._unpacked(get())
 
     def _packed(self) -> torch.Tensor:
         return torch.cat([self.output_token_ids, self.num_emitted[:, None], self.accepted_nodes,
