@@ -127,6 +127,25 @@ def test_buckets_eps_and_ragged_budgets():
         ctl.choose(full.logrho, full.valid, [1, 2])
 
 
+def test_the_cap_is_on_the_whole_step():
+    """Bole's cap bounds the whole step (forward, drafting, rest) against root-only trees: when the
+    forward is the step, the forward stays within ``1 + eps`` times its root-only cost (binding:
+    ``test_buckets_eps_and_ragged_budgets``); when host work dominates the step (the H200's small-model
+    steps) it may grow past that, to the uncapped choice."""
+    g = torch.Generator().manual_seed(7)
+    full = best_first_slots(torch.arange(4), random_candidates(g, 4, 6, 4), 16, max_depth=6)
+    cost = StepCostModel(roofline(params_active=8e9, overhead_s=0.0))
+    n = torch.arange(int(full.valid.sum()) - 3, dtype=torch.float64)
+    prior = torch.as_tensor(cost.prior.seconds(4, 4 + n, 404 + 101 * n, 400.0))
+    forward_cap = int(torch.nonzero(prior <= 1.1 * prior[0]).max())  # nodes a cap on the forward allows
+    capped, free = BudgetController(cost, eps=0.1), BudgetController(cost, eps=None)
+    assert capped.choose(full.logrho, full.valid, [100] * 4).total <= forward_cap
+    for c in (capped, free):
+        c.rest_s = 20 * float(prior[-1])
+    ch = [c.choose(full.logrho, full.valid, [100] * 4).total for c in (capped, free)]
+    assert ch[0] == ch[1] > forward_cap
+
+
 class _Fixed:
     def __init__(self, cands):
         self.cands = cands

@@ -22,8 +22,9 @@ Fields (every other key is refused, with the list of allowed ones):
   corrected by measured step times, ragged per request, between ``min_budget`` and
   ``num_speculative_tokens``) or an integer: that many draft nodes for every request, every step
   (at most ``num_speculative_tokens``).
-* ``eps``: with ``"auto"``, a step's verification may cost at most ``1 + eps`` times a plain
-  decoding step of the same batch (Bole's cap; default 1.0; ``null``: no cap, throughput alone).
+* ``eps``: with ``"auto"``, a tree step (its forward, drafting and the engine's rest) may take at
+  most ``1 + eps`` times the step of root-only trees of the same batch (Bole's cap, on the whole
+  step; default 1.0; ``null``: no cap, throughput alone).
 * ``min_budget``: with ``"auto"``, draft nodes every request with candidates gets first (default 0).
 * ``plain_fallback``: with ``"auto"``, ``true`` (default): the engine decodes plainly (no drafts,
   vLLM's own decode step) for batch sizes where that measures faster than tree steps

@@ -18,8 +18,12 @@ requests' context lengths and its measured step times.
   measured by the engine; without it, on the H200 at 59e0ecd, the choice at 32 requests was ~6 nodes
   a request where 16 gave 1.09x the tokens per second: a step's fixed ~4 ms of host work was
   missing from the denominator), among totals
-  whose verify cost stays within ``(1 + eps)`` times a plain decode step of the same batch (Bole's
-  cap), on bucket boundaries only (padding to a bucket costs the same as filling it). A request
+  whose step (forward, drafting and rest) stays within ``(1 + eps)`` times the step of root-only trees
+  of the same batch (Bole's cap, on the whole step: on the H200 at af4cf8f, capping the forward alone
+  at 2x kept 128 requests at 3-6 nodes each, the prior's flops growing 3x from 128 to 2048 tokens,
+  where 16 nodes each were 1.9x the tokens per second: the step was ~25 ms of which the forward ~5,
+  flat in the node count; a cap on the forward never lets the exploration measure that), on bucket
+  boundaries only (padding to a bucket costs the same as filling it). A request
   with poor acceptance scores low and gets a small tree; one without candidates gets none. Every
   16th choice explores the next larger bucket (the cap still holds), so a prior that overrates the
   cost of larger buckets (an MoE model's inactive experts, say) gets corrected by measurement.
@@ -168,11 +172,12 @@ class BudgetController:
         last = np.ones(bucket.shape, dtype=bool)
         last[:-1] = bucket[1:] != bucket[:-1]
         cand = (last | (n == 0)) & (n >= forced)
+        step = cost + self.draft_s + self.rest_s  # the whole tree step's time
         if self.eps is not None:
-            cand &= cost <= (1 + self.eps) * cost[0]
+            cand &= step <= (1 + self.eps) * step[0]
         if not cand.any():
             cand[forced] = True
-        tput = expected / (cost + self.draft_s + self.rest_s)
+        tput = expected / step
         best = int(np.where(cand, tput, -math.inf).argmax())
         self.choices += 1
         if self.explore_every and self.choices % self.explore_every == 0:
