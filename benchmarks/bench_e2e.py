@@ -11,7 +11,9 @@ Run it under an outer ``timeout`` of at least ``--seconds`` + 90: an engine stop
 deadline but returns its rows only when it shuts down. Every engine runs in its own subprocess
 (``vllm_bole.testing.engine_run``), one after another (the GPU is the engine's alone while it is timed);
 ``--parallel`` starts them all at once (8 GiB of KV cache each; starts of 120-150 s each were most of a
-run's ten minutes) and then lets one engine at a time run, stage by stage (``run_parallel``). CUDA graphs
+run's ten minutes) and then lets one engine at a time run, stage by stage, AR's cells of each stage before
+and after the other engines' (``run_parallel``; AR's row the mean of its two runs, with ``tokens_per_s_runs``
+and ``run_spread``: the baseline's own drift within the run). CUDA graphs
 on (vLLM's default FULL_AND_PIECEWISE; tree steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
 every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
 (dataset, temperature, concurrency): ``concurrency`` prompts per ``LLM.generate`` call, 128 new tokens
@@ -249,15 +251,25 @@ def stage_of(dataset: str, temperature: float) -> int:
     return TEMPERATURES.index(temperature) * len(DATASETS) + DATASETS.index(dataset)
 
 
+def passes(eng: dict) -> list[tuple[int, int]]:
+    """The engine's (stage, pass) gates under ``--parallel``, in order: pass 0 of each of its stages and, for
+    AR (the baseline), pass 1 after the other engines' pass 0 of that stage: AR's cells are timed before and
+    after every other engine's (the H200's AR cells varied by up to ~30% minutes apart in one engine, at
+    af4cf8f: the two passes measure that, and their mean is the row)."""
+    stages = sorted({stage_of(d, t) for d, t, _, _ in eng["cells"]})
+    return [(k, p) for k in stages for p in ((0, 1) if eng["mode"] == "ar" else (0,))]
+
+
 def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> list[dict]:
-    """The engine's rows (one with its error if it failed); ``gate(stage)``: the job before the engine's
-    first cell of each stage (``--parallel``)."""
-    cell_jobs, stage = [], None
-    for d, t, c, b in eng["cells"]:
-        if gate and stage_of(d, t) != stage:
-            stage = stage_of(d, t)
-            cell_jobs.append(gate(stage))
-        cell_jobs += job(prompts, d, t, c, deadline, b)
+    """The engine's rows (one with its error if it failed); ``gate((stage, pass))``: the job before the
+    engine's cells of each of its :func:`passes` (``--parallel``)."""
+    cell_jobs = []
+    for k, p in passes(eng) if gate else [(None, 0)]:
+        if gate:
+            cell_jobs.append(gate((k, p)))
+        for d, t, c, b in eng["cells"]:
+            if k is None or stage_of(d, t) == k:
+                cell_jobs += job(prompts, d, t, c, deadline, b)
     first = 1 if gate else 0  # the warm-up after the first gate: it runs on the GPU
     jobs = cell_jobs[:first] + warmup_jobs(prompts, deadline) + cell_jobs[first:]
     spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("draft_beam", 0))
@@ -279,31 +291,54 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> li
                              jit_warnings=out.get("jit_warnings"), jit_kernels=out.get("jit_kernels"),
                              jit_compiled=res.get("jit_compiled")))
             print(_line(rows[-1]), flush=True)
-    return rows
+    return merge_runs(rows)
+
+
+def merge_runs(rows: list[dict]) -> list[dict]:
+    """One row per cell: a cell timed twice (AR's two passes) becomes the first run's row with the mean
+    ``tokens_per_s`` and ``tpot_ms``, each run's in ``tokens_per_s_runs`` / ``tpot_ms_runs``, and
+    ``run_spread`` (max - min over the mean of ``tokens_per_s``)."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault(_cell_id(r) if "dataset" in r else id(r), []).append(r)
+    out = []
+    for group in by.values():
+        row = dict(group[0])
+        if len(group) > 1:
+            tps = [g["tokens_per_s"] for g in group]
+            tpot = [g["tpot_ms"] for g in group if g.get("tpot_ms") is not None]
+            row.update(tokens_per_s=float(np.mean(tps)), tokens_per_s_runs=tps,
+                       run_spread=(max(tps) - min(tps)) / float(np.mean(tps)),
+                       seconds=sum(g["seconds"] for g in group))
+            if tpot:
+                row.update(tpot_ms=float(np.mean(tpot)), tpot_ms_runs=tpot)
+        out.append(row)
+    return out
 
 
 def run_parallel(todo: list[dict], args, prompts: dict, deadline: float) -> list[list[dict]]:
-    """Every engine of ``todo`` started at once, each waiting at a gate before each of its stages
-    (``stage_of``). Once all have started (or failed), stage by stage, engine by engine, one engine at a
-    time runs its cells of that stage: a deadline then cuts the same stages from every engine, and the
-    modes compared share the GPU's state. Each engine's rows, in ``todo``'s order."""
+    """Every engine of ``todo`` started at once, each waiting at a gate before each of its :func:`passes`.
+    Once all have started (or failed), pass by pass, engine by engine, one engine at a time runs its cells of
+    that pass: stage k's pass 0 of every engine, then AR's pass 1 of it, then stage k + 1; a deadline then
+    cuts the same stages from every engine, and the modes compared share the GPU's state. Each engine's
+    rows, in ``todo``'s order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    stages = [sorted({stage_of(d, t) for d, t, _, _ in eng["cells"]}) for eng in todo]
+    gates_of = [passes(eng) for eng in todo]
     with tempfile.TemporaryDirectory(prefix="bole_gates") as gates, ThreadPoolExecutor(len(todo)) as pool:
-        mark = lambda what, i, k: Path(gates) / f"{what}.{i}.{k}"  # noqa: E731
+        mark = lambda what, i, k: Path(gates) / f"{what}.{i}.{k[0]}-{k[1]}"  # noqa: E731
         futures = [pool.submit(run_engine, eng, args, prompts, deadline,
                                lambda k, i=i: engine_run.gate_job(mark("ready", i, k), mark("go", i, k)))
                    for i, eng in enumerate(todo)]
-        while not all(f.done() or mark("ready", i, stages[i][0]).exists() for i, f in enumerate(futures)):
+        while not all(f.done() or mark("ready", i, gates_of[i][0]).exists() for i, f in enumerate(futures)):
             time.sleep(1.0)
         print(f"engines started: {sum(not f.done() for f in futures)} of {len(todo)}", flush=True)
-        for k in sorted(set().union(*stages)):
+        for k in sorted(set().union(*gates_of)):
             for i, f in enumerate(futures):
-                if k not in stages[i] or f.done():
+                if k not in gates_of[i] or f.done():
                     continue
                 mark("go", i, k).touch()
-                after = [s for s in stages[i] if s > k]
+                after = [s for s in gates_of[i] if s > k]
                 while not (f.done() or after and mark("ready", i, after[0]).exists()):
                     time.sleep(0.2)
         return [f.result() for f in futures]

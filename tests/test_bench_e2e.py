@@ -56,13 +56,29 @@ def test_parallel_runs_one_engine_at_a_time_stage_by_stage(monkeypatch):
     args = SimpleNamespace(pair=Path("/nonexistent"), target="t", dtype="float32", eager=True, parallel=True,
                            tree_graphs=False)
     rows = bench_e2e.run_parallel(todo, args, prompts, deadline=time.time() + 60)
-    assert [len(r) for r in rows] == [len(e["cells"]) for e in todo]
+    assert [len(r) for r in rows] == [len(e["cells"]) for e in todo]  # one row a cell, AR's two runs merged
+    assert all(len(r["tokens_per_s_runs"]) == 2 and r["run_spread"] == 0.0 for r in rows[0])
+    assert not any("tokens_per_s_runs" in r for r in rows[1] + rows[2])
     timed = [(n, bench_e2e.stage_of(c["dataset"], c["temperature"])) for n, c in cells]
     assert [k for _, k in timed] == sorted(k for _, k in timed)  # every engine's stage k before any one's k + 1
     order = [json.dumps(bench_e2e.spec_for(e["mode"], e["drafter"], args.pair, e["k"]), sort_keys=True) for e in todo]
-    for _, group in itertools.groupby(timed, key=lambda x: x[1]):  # within a stage: engine by engine, in order
-        names = [n for n, _ in itertools.groupby(n for n, _ in group)]
-        assert names == [n for n in order if n in names]
+    for _, group in itertools.groupby(timed, key=lambda x: x[1]):  # within a stage: engine by engine, in order,
+        names = [n for n, _ in itertools.groupby(n for n, _ in group)]  # AR before and after the others
+        assert names == [n for n in order if n in names] + [order[0]]
+
+
+def test_merge_runs_keeps_each_run_and_their_spread():
+    cell = dict(mode="ar", drafter="none", draft_beam=0, budget=None, batch=8, dataset="mt_bench", temperature=0.0,
+                requests=32, tokens=4096)
+    runs = [dict(cell, tokens_per_s=900.0, tpot_ms=2.0, seconds=4.0), dict(cell, tokens_per_s=1100.0, tpot_ms=3.0,
+                                                                          seconds=3.0)]
+    other = dict(cell, batch=1, tokens_per_s=100.0, tpot_ms=9.0, seconds=1.0)
+    merged = bench_e2e.merge_runs(runs + [other, dict(mode="ar", drafter="none", error="boom")])
+    assert len(merged) == 3 and merged[1] == other and merged[2]["error"] == "boom"
+    m = merged[0]
+    assert (m["tokens_per_s"], m["tokens_per_s_runs"], m["tpot_ms"], m["tpot_ms_runs"], m["seconds"]) == \
+        (1000.0, [900.0, 1100.0], 2.5, [2.0, 3.0], 7.0)
+    assert abs(m["run_spread"] - 0.2) < 1e-12
 
 
 def test_resume_runs_only_the_cells_not_yet_measured(monkeypatch, tmp_path):
