@@ -20,7 +20,7 @@ matrix, per tiny architecture (``vllm_bole.testing.tiny_models``; 8 prompts of m
   FlashAttention 3 does not, so vLLM runs TRITON_ATTN there) with ``TRITON_F32_DEFAULT=ieee``, i.e.
   Triton's fp32 dots in IEEE fp32, vLLM's and ours (with Triton's tf32 default, vLLM's own
   kernels differ at the 1e-3 level); both drafters (``ngram``; ``draft_model`` = the target as its
-  own drafter, which must accept every node of the greedy chain); eager and CUDA graphs
+  own drafter, which must accept every node of the greedy chain; Zamba2's the tiny Llama, ``SEPARATE_DRAFT``); eager and CUDA graphs
   (vLLM's default FULL_AND_PIECEWISE: tree steps run PIECEWISE). Greedy streams must be identical
   (``vllm_bole.testing.lossless``: fp32 top logprobs within 1e-3, or within 1.5x the baseline's own
   decode/prefill spread, measured by rescoring its streams, as on CPU); bf16 rows (Qwen3-Next,
@@ -68,6 +68,12 @@ CAPTURE = [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 256]
 NUM_SAMPLES, SAMPLE_TOKENS = 800, 5
 SAMPLED = {"llama": dict(temperature=1.0, top_k=4, min_p=0.1), "nemotron_h": dict(temperature=0.8, top_p=0.7)}
 DRAFTERS = ("ngram", "draft_model")
+# the draft-model row of these drafts with another tiny checkpoint (same tokenizer and vocabulary) instead of the
+# target itself: Zamba2's self-draft runs through transformers (not an attention-only model, so not the paged
+# draft), whose Zamba2 re-reads every history each step on the slow torch scan: its row did not finish in 380 s
+# nor in 454 s on the H200 (3adce69, ac1f958). The tiny Llama drafts it paged, under graphs: the row then checks a
+# separate draft's branching trees (mostly rejected) instead of a self-draft's accepted chains.
+SEPARATE_DRAFT = {"zamba2": "llama"}
 MIXED_ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2", "llama")  # fp32, CUDA graphs
 # (dtype, CUDA graphs) per part and architecture. Qwen3-Next and Qwen3.5 run bf16 only: vLLM's FLA
 # chunked GDN prefill (the Triton backend; FlashInfer is not bundled) does not take fp32 inputs.
@@ -93,6 +99,7 @@ def engine_env(dtype: str) -> dict:
 
 
 def spec(drafter: str, model) -> dict:
+    """``model``: the draft model's checkpoint (drafter ``draft_model``)."""
     cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=BUDGET, budget=BUDGET, max_depth=DEPTH)
     if drafter == "draft_model":
         cfg["model"] = str(model)
@@ -124,10 +131,12 @@ def _prompts(model) -> list[list[int]]:
     return prompts
 
 
-def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS) -> dict:
+def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS, draft: Path | None = None) -> dict:
     """The rows of one architecture for ``cases`` [(dtype, cuda_graphs)] and ``drafters`` (module
-    docstring), engines one after another; each row is saved as soon as it is known."""
+    docstring), engines one after another; each row is saved as soon as it is known. ``draft``: the
+    draft model's checkpoint (default: the target itself, ``SEPARATE_DRAFT``)."""
     prompts = _prompts(model)
+    draft = draft or model
     rows, extra = [], {}
     for dtype, graphs in cases:
         bf16 = dtype == "bfloat16"
@@ -144,8 +153,10 @@ def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS) -> dict:
             jobs = [engine_run.generate_job(prompts, MAX_TOKENS, logprobs=k)]
             if sampled and drafter == "draft_model":
                 jobs.append(engine_run.generate_job([prompts[0]] * NUM_SAMPLES, SAMPLE_TOKENS, sampling=sp))
-            ours = run(model, jobs, spec_cfg=spec(drafter, model), dtype=dtype, graphs=graphs)
+            ours = run(model, jobs, spec_cfg=spec(drafter, draft), dtype=dtype, graphs=graphs)
             row = dict(arch=arch, dtype=dtype, drafter=drafter, cuda_graphs=graphs)
+            if drafter == "draft_model" and draft != model:
+                row["draft"] = SEPARATE_DRAFT[arch]
             if "error" in base or "error" in ours:
                 row.update(identical=False, tokens_compared=0, mean_accepted=None, step_ms=None,
                            error=base.get("error") or ours.get("error"))
@@ -168,7 +179,7 @@ def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS) -> dict:
                 row.update(noise=v.noise, worst_margin_change=v.worst)
             else:  # identical: every token; lossless: partings only at ties the engine itself leaves open
                 row.update(lossless=v.ok, engine_spread=v.spread, ties=v.ties)
-            if drafter == "draft_model" and not bf16:
+            if drafter == "draft_model" and not bf16 and draft == model:
                 row["all_chain_accepted"] = _chain_all_accepted(st)
             if v.problems:
                 row["problems"] = v.problems[:5]
@@ -227,7 +238,8 @@ def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, 
     mixed-batch cases and the server in threads of their own), and the soak beside them when
     ``soak_s`` is given. Everything is saved as it finishes (``SAVE``)."""
     cases = PARTS[part]
-    jobs = [lambda a=a: arch_matrix(a, models[a], cases.get(a, cases["*"]), drafters) for a in archs]
+    jobs = [lambda a=a: arch_matrix(a, models[a], cases.get(a, cases["*"]), drafters,
+                                    models.get(SEPARATE_DRAFT.get(a))) for a in archs]
     jobs += [lambda a=a: SAVE.add("mixed", mixed_case(a, models[a], _prompts(models[a]))) for a in mixed]
     if serve:
         jobs.append(lambda: SAVE.set("serve", serve_case(models["llama"])))
@@ -427,6 +439,7 @@ def main() -> int:
         SAVE.prior(json.loads(f.read_text()), archs, drafters, mixed, args.serve, args.soak_seconds is not None)
     try:
         need = set(archs) | set(mixed) | ({"llama"} if args.serve else set()) | (
+            {SEPARATE_DRAFT[a] for a in archs if a in SEPARATE_DRAFT and "draft_model" in drafters}) | (
             {"nemotron_h"} if args.soak_seconds is not None else set())
         models = engine_run.build_models(STORE / "tiny", [a for a in ARCHS if a in need])
         part_matrix(args.part, models, archs, mixed, args.serve, args.soak_seconds, 1 if args.sequential else None,
