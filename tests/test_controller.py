@@ -169,6 +169,21 @@ def test_draft_trees_cut_to_the_chosen_budgets():
     assert none is None and full.token_ids.numel() >= tree.token_ids.numel()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_trees_cut_to_budgets_are_the_best_first_trees_of_them(seed):
+    """``Slots.tree(budgets)`` (one search at the cap, cut per request) equals the best-first trees grown at
+    those budgets: every field, ragged budgets, 0 and the cap included."""
+    g = torch.Generator().manual_seed(seed)
+    B, D, K, cap = 6, 5, 3, 12
+    cands = random_candidates(g, B, D, K, empty=(1,))
+    roots = torch.arange(B)
+    cut = torch.randint(0, cap + 1, (B,), generator=g)
+    cut[0], cut[-1] = 0, cap
+    got, want = best_first_slots(roots, cands, cap, max_depth=D).tree(cut), best_first_tree(roots, cands, cut, max_depth=D)
+    for f in ("token_ids", "parent", "depth", "cu_nodes", "path", "anc_mask", "draft_prob", "node_kind"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
 @pytest.mark.parametrize("fixed", ["draft_s", "rest_s"])
 def test_fixed_step_time_counts_against_the_step(fixed):
     """Compute-bound steps: a draft node pays only if its rho beats the tokens per token so far, so

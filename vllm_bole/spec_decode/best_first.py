@@ -76,10 +76,16 @@ class Slots:
     nid: torch.Tensor  # [B, S] int64 node id, unique within a request for the whole search (root 0)
     kind: torch.Tensor  # [B, S] int64 calibration kind (``calibration.KINDS``: main, branch, off)
 
-    def tree(self) -> TreeBatch:
+    def tree(self, budget=None) -> TreeBatch:
         """The kept nodes as a :class:`TreeBatch` on the slots' device, built directly from the
-        search state (valid slots form breadth-first prefixes; depths and parents known)."""
+        search state (valid slots form breadth-first prefixes; depths and parents known). ``budget``
+        (int or ``[B]``): each request's ``budget`` best draft nodes by (``logrho`` desc, slot asc)
+        only, the root kept: prefix-closed (``rho`` never increases along a path and a parent precedes
+        its children), so the best-first tree of that budget over the same expansions (what the budget
+        controller cuts the trees to; one pass, without an intermediate :class:`Slots`)."""
         v = _np(self.valid)
+        if budget is not None:
+            v = _select(_np(self.logrho), v, _np(budgets(budget, v.shape[0], "cpu")) + 1, None)
         counts = v.sum(1)
         cu = np.zeros(counts.size + 1, np.int64)
         cu[1:] = np.cumsum(counts)
@@ -88,6 +94,9 @@ class Slots:
         parent, depth = field("parent"), field("depth")
         T = parent.size
         req = np.repeat(np.arange(counts.size), counts)
+        if budget is not None:  # the parents' slots -> their places among the kept slots
+            newpos = v.cumsum(1) - 1
+            parent = np.where(parent >= 0, newpos[req, np.maximum(parent, 0)], -1)
         local = np.arange(T) - cu[:-1][req]
         width = int(depth.max()) + 1
         path = np.full((T, width), -1, np.int64)
@@ -109,29 +118,6 @@ class Slots:
     def flat(self, name: str) -> torch.Tensor:
         """A per-slot field of the kept nodes, flat in the tree's node order."""
         return getattr(self, name).reshape(-1)[self.valid.reshape(-1)]
-
-    def prune(self, budget) -> "Slots":
-        """Each request's ``budget`` (int or ``[B]``) best draft nodes by (``logrho`` desc, slot asc),
-        the root kept: prefix-closed (``rho`` never increases along a path and a parent precedes its
-        children), so the best-first tree of that budget over the same expansions; slots compacted
-        in their breadth-first order."""
-        B, S = self.valid.shape
-        lr = _np(self.logrho)
-        keep = _select(lr, _np(self.valid), _np(budgets(budget, B, "cpu")) + 1, None)
-        newpos = keep.cumsum(1) - 1
-        src = np.zeros((B, S), np.int64)
-        kb, km = np.nonzero(keep)
-        src[kb, newpos[kb, km]] = km
-        nvalid = np.arange(S)[None, :] < keep.sum(1, keepdims=True)
-        rows = np.arange(B)[:, None]
-        par = _np(self.parent)[rows, src]
-        parent = np.where(nvalid & (par >= 0), newpos[rows, np.maximum(par, 0)], -1)
-        fields = {f.name: _np(getattr(self, f.name))[rows, src] for f in dataclasses.fields(self)
-                  if f.name not in ("valid", "parent", "logrho")}
-        logrho = np.where(nvalid, lr[rows, src], -np.inf)
-        dev = self.valid.device
-        return Slots(**{k: _to(torch.from_numpy(np.ascontiguousarray(v)), dev) for k, v in
-                        dict(fields, valid=nvalid, parent=parent, logrho=logrho).items()})
 
 
 # expand(request [F], slot [F], depth, slots) -> (probs [F, c], tokens [F, c], child-distribution rows [F] or None),

@@ -31,7 +31,7 @@ requests' context lengths and its measured step times.
   per-request budget chosen last (at least ``SEARCH_FLOOR``), the full cap before the first choice
   and before every exploring one. Seen on the H200 (198194b, c = 128): searching at the cap every
   step made drafting 20 ms against 8 ms for the budget the controller then chose. The cut trees are
-  the same best-first trees (``Slots.prune``) whenever the choice stays below the bound; the bound
+  the same best-first trees (``Slots.tree(budget)``) whenever the choice stays below the bound; the bound
   only limits how fast the choice grows (2x per step).
 """
 from __future__ import annotations
