@@ -124,6 +124,16 @@
 # does the per-request switch bring `"auto"` to the best fixed budget on HumanEval?), then `graphs` (the tiny fp32
 # pair identical with the chained drafts on CUDA streams), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=570 `newarchs`
 # (Zamba2's draft-model row alone), then `online` (every mode).
+# 2026-12-04 (fourteenth session, af4cf8f): `draftasync` alone first with .pair/tiny (22 s, machine start included;
+# p00 + .pair/tiny together are over the 64 MiB a run carries), parts x2, `install` (50 s), `parts` x2 with the
+# pieces, `parts unpack matrix` with 06-07 + .pair/data and PARALLEL=1 E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16
+# CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (535 s), `graphs` (233 s), `online` with
+# TREE_GRAPHS=1 ONLINE_MODES="ar vllm_chain bole_tree" (364 s), profile_step.py at batch 1 (222 s) and 32 (250 s)
+# with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: the same up to `parts unpack matrix` (AR now runs each stage
+# twice, ~+45 s: do `"auto"` at c = 128 and the HumanEval cells reach 0.95x the best fixed budget with the cap on
+# the whole step? AR's `run_spread`?), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=300 `newarchs` (Zamba2's draft-model
+# row drafts with the tiny Llama now: minutes, not hours), then TREE_GRAPHS=1 COST_MODES=bole_tree `cost` (8B
+# shapes, batch 32 and 128 from whole graphs) or `online`.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
