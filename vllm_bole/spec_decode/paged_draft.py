@@ -59,6 +59,7 @@ from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
+from vllm_bole.spec_decode.vocab_topk import vocab_topk
 from vllm_bole.transfer import download_async, pack, unpack, upload
 
 __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support", "with_pending"]
@@ -300,12 +301,8 @@ class PagedDraftModel:
         return self.decoder(tokens, positions, slots, self.caches, attend, keep)
 
     def _topk(self, logits):
-        """(probabilities, tokens) [T, top_k] of the softmax of ``logits`` [T, V]: the top-k of the
-        logits in their own dtype (16-bit keys: half the radix passes of fp32), probabilities as
-        ``exp(logit - logsumexp)`` in fp32 (no softmax over the vocabulary). Measured on the H200
-        (4bcef6f): a two-stage top-k (per chunk of 256, then over the winners) was 2x slower at 32 rows."""
-        v, tok = logits.topk(self.top_k, dim=-1)
-        return (v.float() - logits.float().logsumexp(-1, keepdim=True)).exp(), tok
+        """(probabilities, tokens) [T, top_k] of the softmax of ``logits`` [T, V] (:func:`vocab_topk`)."""
+        return vocab_topk(logits, self.top_k, self.kernels)
 
     def _chain(self, tok, pos, table, mask, steps: int, max_kv_len: int, out_t, out_p) -> None:
         """``steps`` one-token forwards from ``tok``/``pos`` [B] (``mask``: B one-node chains), top-k
