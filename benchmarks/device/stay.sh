@@ -129,7 +129,9 @@
 # pieces, `parts unpack matrix` with 06-07 + .pair/data and PARALLEL=1 E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16
 # CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (535 s), `graphs` (233 s), `online` with
 # TREE_GRAPHS=1 ONLINE_MODES="ar vllm_chain bole_tree" (364 s), profile_step.py at batch 1 (222 s) and 32 (250 s)
-# with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: the same up to `parts unpack matrix` (AR now runs each stage
+# with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: first `topk draftasync` with .pair/tiny (the draft's top-k is
+# now two Triton launches: equal, and faster than the twin at every batch? if not at large batches, dispatch by
+# batch), then the same up to `parts unpack matrix` (AR now runs each stage
 # twice, ~+45 s: do `"auto"` at c = 128 and the HumanEval cells reach 0.95x the best fixed budget with the cap on
 # the whole step? AR's `run_spread`?), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=300 `newarchs` (Zamba2's draft-model
 # row drafts with the tiny Llama now: minutes, not hours), then TREE_GRAPHS=1 COST_MODES=bole_tree `cost` (8B
@@ -220,6 +222,12 @@ stage_search() {  # the draft's best-first search: Triton kernel against its tor
 stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against transformers (no vLLM needed)
     timeout 240 python3 benchmarks/bench_draft.py > "$OUT/bench_draft.log" 2>&1
     tail -20 "$OUT/bench_draft.log" | cut -c1-200
+}
+
+stage_topk() {  # the draft's top-k with its probabilities: two Triton launches against the torch twin (~30 s, no vLLM)
+    timeout 200 python3 benchmarks/device/check_vocab_topk.py > "$OUT/vocab_topk.log" 2>&1
+    tail -12 "$OUT/vocab_topk.log" | cut -c1-200
+    grep -q '"equal": true' "$OUT/vocab_topk.json"
 }
 
 stage_draftasync() {  # the runner's drafting path on CUDA outside vLLM (needs /tmp/tiny): trees read behind the step
