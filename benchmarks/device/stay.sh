@@ -129,9 +129,10 @@
 # pieces, `parts unpack matrix` with 06-07 + .pair/data and PARALLEL=1 E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16
 # CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (535 s), `graphs` (233 s), `online` with
 # TREE_GRAPHS=1 ONLINE_MODES="ar vllm_chain bole_tree" (364 s), profile_step.py at batch 1 (222 s) and 32 (250 s)
-# with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: first `topk draftasync` with .pair/tiny (the draft's top-k is
-# now two Triton launches: equal, and faster than the twin at every batch? if not at large batches, dispatch by
-# batch), then the same up to `parts unpack matrix` (AR now runs each stage
+# with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: first `topk draftasync draft` with .pair/tiny (~3 min: the draft's
+# top-k is two Triton launches and its decoder glue three: equal, faster than the twin at every batch, the replay
+# below draft_speed.json's 1.11 / 1.35 / 1.63 / 2.43 ms at B = 1 / 8 / 32 / 128? if a kernel fails on the GPU,
+# its dispatch back to the twin before the matrix), then the same up to `parts unpack matrix` (AR now runs each stage
 # twice, ~+45 s: do `"auto"` at c = 128 and the HumanEval cells reach 0.95x the best fixed budget with the cap on
 # the whole step? AR's `run_spread`?), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=300 `newarchs` (Zamba2's draft-model
 # row drafts with the tiny Llama now: minutes, not hours), then TREE_GRAPHS=1 COST_MODES=bole_tree `cost` (8B

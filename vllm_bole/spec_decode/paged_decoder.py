@@ -4,11 +4,13 @@ The paged draft (:mod:`~vllm_bole.spec_decode.paged_draft`) runs a small model m
 step (one forward per tree depth), so its cost is kernel launches, not flops: transformers' modules
 take about 40 launches per decoder layer (RMSNorm in six elementwise ops, three projections, RoPE as
 slices, negations and concatenations, K/V written by advanced indexing). :class:`PagedDecoder` runs the
-same weights in about 16: fused ``rms_norm``, one QKV and one gate-up matmul (the checkpoint's
-weights re-pointed as views of the fused tensors: no second copy), RoPE on Q and K together as
-``x * cos + roll(x) * sin'`` with cos/sin gathered once per forward from a table the checkpoint's
-rotary module filled at start (its scaling included; length-dependent rope types, ``dynamic`` and
-``longrope``, are refused), and ``index_copy_`` into the pages. Embeddings, the final norm and the LM
+same weights in about 16 torch launches, and on CUDA about 9 (:mod:`~vllm_bole.spec_decode.decoder_ops`:
+the residual add with its RMSNorm, RoPE with the K/V page writes, and SiLU times the up projection, one
+Triton launch each): one QKV and one gate-up matmul (the checkpoint's weights re-pointed as views of the
+fused tensors: no second copy), RoPE on Q and K together as ``x * cos + roll(x) * sin'`` with the
+positions' rows of a cos / sin table the checkpoint's rotary module filled at start (its scaling
+included; length-dependent rope types, ``dynamic`` and ``longrope``, are refused), K/V written into the
+pages at the tokens' slots. Embeddings, the final norm and the LM
 head are the checkpoint's own. Numerics equal transformers' in fp32 up to rounding (tests compare the
 drafts' candidates); in 16-bit the norms round once instead of twice.
 
@@ -23,6 +25,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from vllm_bole.spec_decode.decoder_ops import add_rms_norm, rope_write, silu_mul
 
 __all__ = ["PagedDecoder", "decoder_support"]
 
@@ -80,6 +84,8 @@ class _Layer:
         self.qkv_w, self.qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up_w, self.gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
         self.o, self.down, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
+        probe = torch.linspace(-8, 8, 97, dtype=self.qkv_w.dtype, device=self.qkv_w.device)
+        self.silu = torch.equal(mlp.act_fn(probe), F.silu(probe))  # SiLU: one launch with the up projection
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.heads = attn.q_proj.out_features // attn.head_dim
@@ -95,11 +101,11 @@ class PagedDecoder:
     """``model``'s forward (a transformers causal LM that :func:`decoder_support` accepts) with K/V in
     paged caches, positions below ``max_positions``. :meth:`__call__` -> logits."""
 
-    def __init__(self, model, max_positions: int):
+    def __init__(self, model, max_positions: int, kernels: str = "auto"):
         why = decoder_support(model)
         if why is not None:
             raise NotImplementedError(why)
-        self.model = model
+        self.model, self.kernels = model, kernels
         self.layers = [_Layer(layer) for layer in model.model.layers]
         inner = model.model
         w = inner.embed_tokens.weight
@@ -113,29 +119,19 @@ class PagedDecoder:
         """tokens, positions (RoPE), slots (flat page slot of each token's K/V) [T]; ``caches`` per
         layer (K, V) [pages, page_size, Hkv, D]; ``attend(q [T, H, D], k_cache, v_cache, scale)`` ->
         [T, H, D] (the tokens' K/V are already in the caches). Logits [T or len(keep), V] at ``keep``."""
-        inner = self.model.model
+        inner, kn = self.model.model, self.kernels
         h = inner.embed_tokens(tokens)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         res = None
         for L, (kc, vc) in zip(self.layers, caches):
-            res = h if res is None else res + h
-            x = _rms(L.norm1, res)
+            res, x = add_rms_norm(res, h, L.norm1.weight, L.norm1.variance_epsilon, kn)
             qkv = F.linear(x, L.qkv_w, L.qkv_b).view(-1, L.heads + 2 * L.kv_heads, L.head_dim)
             q, k, v = qkv.split([L.heads, L.kv_heads, L.kv_heads], 1)
-            if L.q_norm is not None:
-                q, k = _rms(L.q_norm, q), _rms(L.k_norm, k)
-                qk = torch.cat([q, k], 1)
-            else:
-                qk = qkv[:, : L.heads + L.kv_heads]
-            qk = torch.addcmul(qk * cos, qk.roll(self.half, -1), sin)
-            q, k = qk[:, : L.heads], qk[:, L.heads :]
-            kc.view(-1, L.kv_heads, L.head_dim).index_copy_(0, slots, k.to(kc.dtype))
-            vc.view(-1, L.kv_heads, L.head_dim).index_copy_(0, slots, v.to(vc.dtype))
+            qk = torch.cat([_rms(L.q_norm, q), _rms(L.k_norm, k)], 1) if L.q_norm is not None \
+                else qkv[:, : L.heads + L.kv_heads]
+            q = rope_write(qk, v, self.cos, self.sin, positions, slots, kc, vc, L.heads, kn)
             o = attend(q, kc, vc, L.scale)
-            res = res + L.o(o.reshape(o.shape[0], -1))
-            g, u = F.linear(_rms(L.norm2, res), L.gate_up_w, L.gate_up_b).split(L.inter, -1)
-            h = L.down(L.act(g) * u)
-        res = res + h
-        if keep is not None:
-            res = res[keep]
-        return self.model.lm_head(_rms(inner.norm, res))
+            res, x = add_rms_norm(res, L.o(o.reshape(o.shape[0], -1)), L.norm2.weight, L.norm2.variance_epsilon, kn)
+            g, u = F.linear(x, L.gate_up_w, L.gate_up_b).split(L.inter, -1)
+            h = L.down(silu_mul(g, u, kn) if L.silu else L.act(g) * u)
+        _, x = add_rms_norm(res, h, inner.norm.weight, inner.norm.variance_epsilon, kn)
+        return self.model.lm_head(x if keep is None else x[keep])

@@ -240,7 +240,7 @@ class PagedDraftModel:
         self._root_only = root_only_packed(torch.zeros(1, dtype=torch.long), self.slots).numpy()  # [1, slots, F]
         self.width = -(-(int(max_len) + self.depth + 1) // page_size)  # page-table entries per request
         try:  # checks the loaded modules
-            self.decoder = PagedDecoder(self.model, self.width * page_size)
+            self.decoder = PagedDecoder(self.model, self.width * page_size, kernels)
         except NotImplementedError as e:
             raise NotImplementedError(f"the draft {path} cannot run paged: {e}") from None
         dt = next(self.model.parameters()).dtype
