@@ -131,7 +131,7 @@
 # TREE_GRAPHS=1 ONLINE_MODES="ar vllm_chain bole_tree" (364 s), profile_step.py at batch 1 (222 s) and 32 (250 s)
 # with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: first `topk draftasync draft` with .pair/tiny (~3 min: the draft's
 # top-k is two Triton launches and its decoder glue three: equal, faster than the twin at every batch, the replay
-# below draft_speed.json's 1.11 / 1.35 / 1.63 / 2.43 ms at B = 1 / 8 / 32 / 128? if a kernel fails on the GPU,
+# below draft_speed.json's (59e0ecd) paged_graphs 1.14 / 1.42 / 1.69 / 2.50 ms at B = 1 / 8 / 32 / 128? if a kernel fails on the GPU,
 # its dispatch back to the twin before the matrix), then the same up to `parts unpack matrix` (AR now runs each stage
 # twice, ~+45 s: do `"auto"` at c = 128 and the HumanEval cells reach 0.95x the best fixed budget with the cap on
 # the whole step? AR's `run_spread`?), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=300 `newarchs` (Zamba2's draft-model
