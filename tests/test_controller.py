@@ -245,6 +245,32 @@ def test_active_params_of_an_moe():
     assert active_params(params, SimpleNamespace()) == 192 + 30 + 120
 
 
+def test_steps_with_prompt_rows_are_not_learnt(monkeypatch):
+    """A tree step with prompt rows beside it (``mixed``) leaves the cost model, its prediction counters and
+    the rest of the step alone: its forward is not the one the model predicts."""
+    import vllm_bole.adapter.budget as budget
+
+    clock = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
+    sb = budget.StepBudget(config=None)
+    sb.ctl = BudgetController(StepCostModel(roofline()), eps=None)
+    ratio = None
+    for mixed in (False, False, True):
+        sb.start()
+        sb.step_begun(4, tree=True, prefill=False, changed=False)
+        ratio = dict(sb.ctl.cost.ratio) if mixed else ratio  # what the steps of trees alone taught it
+        sb.predicted_s = 0.001
+        clock[0] += 0.002 if not mixed else 0.050
+        got = sb.observe(4, 20, 200.0, mixed=mixed)
+        assert (got is None) == mixed
+        clock[0] += 0.008
+    assert sb.stats["observed_steps"] == 2 and "forward_s" not in sb.last and sb.t0 is None
+    assert sb.ctl.cost.ratio == ratio and sb.ctl.rest_s == pytest.approx(0.008)
+    sb.start()
+    sb.step_begun(4, tree=True, prefill=False, changed=False)
+    assert sb.ctl.rest_s == pytest.approx(0.008)  # the mixed step's interval is no sample of the rest
+
+
 def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
     """``StepBudget``: the rest of a steady tree step = its whole interval (one step's start to the next)
     minus its forward (start to sampled tokens) minus its own drafting; weighted, outliers clipped."""

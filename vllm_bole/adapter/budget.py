@@ -142,11 +142,15 @@ class StepBudget:
         return self.decided
 
     def observe(self, num_requests: int, tokens: int, kv_tokens: float,
-                drafting_s: float = 0.0) -> tuple[float, float] | None:
+                drafting_s: float = 0.0, mixed: bool = False) -> tuple[float, float] | None:
         """The tree step begun at :meth:`start` has its sampled tokens on the host (``drafting_s`` of that
         time spent launching the next drafts: not the step's); returns (predicted, measured) seconds where
-        the controller predicted this step."""
-        if self.ctl is None or self.t0 is None:
+        the controller predicted this step. ``mixed``: prompt rows beside the trees, whose forward (a second
+        one with tree graphs) is not the tree forward the cost model predicts: not learnt from (H200,
+        af4cf8f: 13-63% of the tree steps at c = 8-128 had prompt rows, and the measured steps averaged
+        1.3-2.5x the predicted ones there; their buckets' ratios had learnt both kinds)."""
+        if self.ctl is None or self.t0 is None or mixed:
+            self.t0 = self.predicted_s = None
             return None
         measured, self.t0 = time.perf_counter() - self.t0 - drafting_s, None
         if self.last is not None:

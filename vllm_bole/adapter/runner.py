@@ -558,7 +558,7 @@ class TreeRunnerMixin:
         if self._bole_budget is not None:
             self._bole_budget.emitted(P + tree.num_requests + sum(acc), {r: 1 + a for r, a in zip(step.req_ids, acc)})
             times = self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
-                                              float(step.prefix_len.sum()), launch_s)
+                                              float(step.prefix_len.sum()), launch_s, mixed=P > 0)
             if times is not None:
                 self._bole_metrics.observe("vllm:bole_step_predicted_seconds", times[0])
                 self._bole_metrics.observe("vllm:bole_step_measured_seconds", times[1])
