@@ -129,8 +129,8 @@
 # pieces, `parts unpack matrix` with 06-07 + .pair/data and PARALLEL=1 E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16
 # CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (535 s), `graphs` (233 s), `online` with
 # TREE_GRAPHS=1 ONLINE_MODES="ar vllm_chain bole_tree" (364 s), profile_step.py at batch 1 (222 s) and 32 (250 s)
-# with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: first `topk draftasync draft` with .pair/tiny (~3 min: the draft's
-# top-k is two Triton launches and its decoder glue three: equal, faster than the twin at every batch, the replay
+# with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: first `draftkernels draftasync draft` with .pair/tiny (~3 min: the draft's
+# top-k is two Triton launches and its decoder glue three: equal (bf16 within 1 ulp), faster than the twins, the replay
 # below draft_speed.json's (59e0ecd) paged_graphs 1.14 / 1.42 / 1.69 / 2.50 ms at B = 1 / 8 / 32 / 128? if a kernel fails on the GPU,
 # its dispatch back to the twin before the matrix), then the same up to `parts unpack matrix` (AR now runs each stage
 # twice, ~+45 s: do `"auto"` at c = 128 and the HumanEval cells reach 0.95x the best fixed budget with the cap on
@@ -225,10 +225,10 @@ stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against 
     tail -20 "$OUT/bench_draft.log" | cut -c1-200
 }
 
-stage_topk() {  # the draft's top-k with its probabilities: two Triton launches against the torch twin (~30 s, no vLLM)
-    timeout 200 python3 benchmarks/device/check_vocab_topk.py > "$OUT/vocab_topk.log" 2>&1
-    tail -12 "$OUT/vocab_topk.log" | cut -c1-200
-    grep -q '"equal": true' "$OUT/vocab_topk.json"
+stage_draftkernels() {  # the draft's Triton kernels (top-k, decoder glue) against their torch twins (~40 s, no vLLM)
+    timeout 200 python3 benchmarks/device/check_draft_kernels.py > "$OUT/draft_kernels.log" 2>&1
+    tail -25 "$OUT/draft_kernels.log" | cut -c1-200
+    grep -q '"equal": true' "$OUT/draft_kernels.json"
 }
 
 stage_draftasync() {  # the runner's drafting path on CUDA outside vLLM (needs /tmp/tiny): trees read behind the step
