@@ -19,7 +19,9 @@ whole CUDA graphs, as the offline rows run), all rates in turn after an untimed 
 (``WARMUP_SESSIONS`` sessions at the highest rate: on the H200 at 59e0ecd the first rate of the tree
 server, without one, absorbed Triton compilations of several seconds each: TTFT p99 7.7 s). The servers start
 side by side (a start takes 2-3 minutes on the H200; 8 GiB of KV cache each) and are driven one at a
-time, each shut down before the next is driven. Modes: ``ar``;
+time, rate by rate: every mode at a rate before any at the next, so the modes compared at a rate share the
+machine's state (at af4cf8f, driven mode by mode, AR's TPOT at 1 session/s was 2.6 ms against 2.0 ms in
+the stay before: the spread between runs is as large as the differences measured). Modes: ``ar``;
 ``vllm_chain`` with the pair's draft (``draft_model``, ``--chain-k``); ``bole_tree`` with the same draft
 (``budget: "auto"``, up to 32 nodes, depth 8: ``bench_e2e.spec_for``). Without a draft (or with ``--drafter
 ngram``) both speculative modes draft n-grams. A mode the server refuses is recorded with its error.
@@ -187,24 +189,28 @@ def main() -> int:
                for mode in modes]
     for server in servers:  # all started before any is driven: a start compiles and captures on the GPU
         server.wait()
-    for mode, server in zip(modes, servers):
+    live = []
+    for mode, server in zip(modes, servers):  # an untimed round on each: kernels compiled, buckets seen
         base_row = dict(mode=mode, drafter="none" if mode == "ar" else drafter)
         if server.error:
             rows.append(dict(base_row, error=server.error))
             print(server.error[-500:], flush=True)
-        else:  # an untimed round first: kernels compiled and buckets seen before the first timed rate
-            warm = run_rate(server.base, str(target), sessions[::-1], max(args.rates), WARMUP_SESSIONS,
-                            args.max_tokens, seed=len(args.rates))
-            print(f"{mode}: warm-up {warm['turns']} turns in {warm['seconds']:.1f} s", flush=True)
-            for i, rate in enumerate(args.rates):
-                row = dict(base_row, **run_rate(server.base, str(target), sessions, rate, args.sessions,
-                                                args.max_tokens, seed=i))
-                rows.append(row)
-                print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-                                  if k != "errors"}), flush=True)
-                (out / "e2e_online.json").write_text(json.dumps(dict(head, rows=rows), indent=1, default=str))
+            continue
+        warm = run_rate(server.base, str(target), sessions[::-1], max(args.rates), WARMUP_SESSIONS, args.max_tokens,
+                        seed=len(args.rates))
+        print(f"{mode}: warm-up {warm['turns']} turns in {warm['seconds']:.1f} s", flush=True)
+        live.append((base_row, server))
+    for i, rate in enumerate(args.rates):  # rate by rate, every mode at a rate before the next rate
+        for base_row, server in live:
+            row = dict(base_row, **run_rate(server.base, str(target), sessions, rate, args.sessions, args.max_tokens,
+                                            seed=i))
+            rows.append(row)
+            print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
+                              if k != "errors"}), flush=True)
+            (out / "e2e_online.json").write_text(json.dumps(dict(head, rows=rows), indent=1, default=str))
+    for server in servers:
         server.close()
-        (out / "e2e_online.json").write_text(json.dumps(dict(head, rows=rows), indent=1, default=str))
+    (out / "e2e_online.json").write_text(json.dumps(dict(head, rows=rows), indent=1, default=str))
     return 0
 
 
