@@ -10,7 +10,9 @@ tokens plus a bonus since the last call, then ``propose`` at depth D (``--depth`
 milliseconds per step (median of ``--steps`` steps, whole ``propose`` call incl. host work and the
 copy of the candidates to the host; for the tree drafters the whole ``grow_trees`` search of a
 16-node tree; ``paged_trees_host`` / ``paged_trees_device``: the runner's whole drafting of 16-node
-best-first trees, searched on the host over the candidates / inside the draft's step graph), per
+best-first trees, searched on the host over the candidates / inside the draft's step graph;
+``paged_trees_device_twins``: the same with the draft forward's own ops, its decoder glue and top-k,
+as their torch twins instead of their Triton launches), per
 drafted node (B x D candidate rows; trees: B x 16 nodes), and the transformers /
 paged ratio (issue 16's target: the in-engine draft model at least 5x faster per drafted node).
 Correctness beside it: fp32 candidates of the paged model equal the transformers drafter's (ties
@@ -167,9 +169,12 @@ def main() -> None:
             kinds[f"paged_{'graphs' if g else 'eager'}"] = PagedDraftModel(path, cuda_graphs=g, **common)
         for beam in (2, 4):
             kinds[f"paged_tree_beam{beam}"] = PagedTreeDraftModel(path, beam=beam, **common)
-        modes = {"paged_trees_host": "host", "paged_trees_device": "device"}  # the runner's whole drafting
+        # the runner's whole drafting; "_twins": the draft forward's own ops (decoder glue, top-k) as their torch
+        # twins, the A/B of their Triton launches in this process
+        modes = {"paged_trees_host": "host", "paged_trees_device": "device", "paged_trees_device_twins": "device"}
         for k in modes:
             kinds[k] = PagedDraftModel(path, cuda_graphs=graphs, **common)
+        kinds["paged_trees_device_twins"].decoder.kernels = "torch"
         for B in args.batches:
             res = {k: steps(d, B, args, k != "transformers", torch.Generator().manual_seed(B), modes.get(k))
                    for k, d in kinds.items()}
@@ -179,9 +184,11 @@ def main() -> None:
                     if k.startswith("paged_") and "tree" not in k:
                         ok = all(same_candidates(a, b, 1e-4) for a, b in zip(outs, ref))
                         checks.append(dict(batch=B, drafter=k, fp32_equal_to_transformers=ok))
-                same = all(torch.equal(a.parent, b.parent) and torch.equal(a.token_ids, b.token_ids)
-                           for a, b in zip(res["paged_trees_device"][1], res["paged_trees_host"][1]))
-                checks.append(dict(batch=B, drafter="paged_trees_device", fp32_trees_equal_to_host_search=same))
+                same = lambda x, y: all(torch.equal(a.parent, b.parent) and torch.equal(a.token_ids, b.token_ids)  # noqa: E731
+                                        for a, b in zip(res[x][1], res[y][1]))
+                checks.append(dict(batch=B, drafter="paged_trees_device",
+                                   fp32_trees_equal_to_host_search=same("paged_trees_device", "paged_trees_host"),
+                                   fp32_trees_equal_with_twin_ops=same("paged_trees_device", "paged_trees_device_twins")))
                 continue
             base = statistics.median(res["transformers"][0])
             for k, (ts, _) in res.items():

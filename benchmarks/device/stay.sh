@@ -130,7 +130,7 @@
 # CHAIN_K=3 E2E_ONLY="ar/none vllm_chain/draft_model bole_tree/draft_model" (535 s), `graphs` (233 s), `online` with
 # TREE_GRAPHS=1 ONLINE_MODES="ar vllm_chain bole_tree" (364 s), profile_step.py at batch 1 (222 s) and 32 (250 s)
 # with VLLM_BOLE_TREE_GRAPHS=1: 1756 s. Next stay: first `parts draftkernels draftasync draft` carrying .pair/tiny alone (~3 min: the draft's
-# top-k is two Triton launches and its decoder glue three: equal (bf16 within 1 ulp), faster than the twins, the replay
+# top-k is two Triton launches and its decoder glue three: equal (bf16 within 1 ulp), faster than the twins (bench_draft's paged_trees_device against paged_trees_device_twins), the replay
 # below draft_speed.json's (59e0ecd) paged_graphs 1.14 / 1.42 / 1.69 / 2.50 ms at B = 1 / 8 / 32 / 128? if a kernel fails on the GPU,
 # its dispatch back to the twin before the matrix), then the same up to `parts unpack matrix` (AR now runs each stage
 # twice, ~+45 s: do `"auto"` at c = 128 and the HumanEval cells reach 0.95x the best fixed budget with the cap on

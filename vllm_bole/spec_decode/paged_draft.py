@@ -301,8 +301,9 @@ class PagedDraftModel:
         return self.decoder(tokens, positions, slots, self.caches, attend, keep)
 
     def _topk(self, logits):
-        """(probabilities, tokens) [T, top_k] of the softmax of ``logits`` [T, V] (:func:`vocab_topk`)."""
-        return vocab_topk(logits, self.top_k, self.kernels)
+        """(probabilities, tokens) [T, top_k] of the softmax of ``logits`` [T, V] (:func:`vocab_topk`, with the
+        decoder's kernel choice: its glue and this are the draft forward's own ops)."""
+        return vocab_topk(logits, self.top_k, self.decoder.kernels)
 
     def _chain(self, tok, pos, table, mask, steps: int, max_kv_len: int, out_t, out_p) -> None:
         """``steps`` one-token forwards from ``tok``/``pos`` [B] (``mask``: B one-node chains), top-k
