@@ -38,7 +38,6 @@ Algorithm (:func:`grow`)
 """
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from dataclasses import dataclass

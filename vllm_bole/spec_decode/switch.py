@@ -116,7 +116,7 @@ class SpeculationSwitch:
         if b.left == 0:
             unseen = [m for m in (True, False) if not (b.seconds[m] and b.yields[m])]
             rate = self._rates(b, keys)
-            best = rate.get(True, 0.0) >= rate.get(False, 0.0)
+            best = _faster(rate)
             since = b.steps - b.last_probe
             if unseen:  # a first probe of each mode
                 b.mode, b.left, b.last_probe = unseen[0], self.probe, b.steps
@@ -168,8 +168,7 @@ class SpeculationSwitch:
 
     def best(self, batch: int, keys=None) -> bool:
         """The mode with the higher estimated rate (trees on ties and before any sample)."""
-        rate = self.rates(batch, keys)
-        return rate.get(True, 0.0) >= rate.get(False, 0.0)
+        return _faster(self.rates(batch, keys))
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float | None,
                 per_request: dict | None = None) -> None:
@@ -201,3 +200,8 @@ class SpeculationSwitch:
         for k in keys:
             self.own.pop(k, None)
             self.tried.discard(k)
+
+
+def _faster(rate: dict) -> bool:
+    """The mode with the higher estimated rate in ``rate`` (trees on ties and before any sample)."""
+    return rate.get(True, 0.0) >= rate.get(False, 0.0)
