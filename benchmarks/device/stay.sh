@@ -137,6 +137,13 @@
 # the whole step? AR's `run_spread`?), then NEWARCHS=zamba2 NEWARCHS_TIMEOUT=300 `newarchs` (Zamba2's draft-model
 # row drafts with the tiny Llama now: minutes, not hours), then TREE_GRAPHS=1 COST_MODES=bole_tree `cost` (8B
 # shapes, batch 32 and 128 from whole graphs) or `online`.
+# 2026-12-04 (fifteenth session, ebdbbaa): `parts draftkernels draftasync draft` with .pair/tiny (137 s, machine
+# start included: every kernel equal, the draft's replay 0.60-1.45 ms), parts x2, `install` (62 s), `parts` x2 with the
+# pieces, `parts unpack matrix` as planned (541 s), NEWARCHS=zamba2 NEWARCHS_TIMEOUT=300 `newarchs` (269 s: too short,
+# two cold engine starts of ~200 s; keep the default 560), TREE_GRAPHS=1 COST_MODES=bole_tree `cost` (340 s), `graphs`
+# (281 s): 1705 s. Next stay: NEWARCHS=zamba2 `newarchs` (default timeout) right after `install`; then `parts unpack
+# matrix` with E2E_ONLY="ar/none bole_tree/draft_model" (do the host-work cuts lower the c = 1 step from 5.5 ms?);
+# then a profile at 8B shapes, batch 128, 2 nodes (where do 46 ms over AR's step go?).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
