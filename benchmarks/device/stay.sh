@@ -310,6 +310,19 @@ stage_cost() {  # issue 15 item 3: one target step at Nemotron-H-8B shapes (dumm
     grep -v '^ \|^(' "$OUT/e2e_cost.log" | tail -30 | cut -c1-200
 }
 
+stage_costprof() {  # where a tree step's time goes at Nemotron-H-8B shapes (dummy weights; at ebdbbaa 2 nodes a request
+    # at batch 128 took 64 ms against AR's 18): profile_step.py at COSTPROF_BATCH (128) with budget 1, depth 1, AR and
+    # trees from whole graphs, kernels by device time (~8 min: two 8B engine starts); needs /tmp/pd/tokenizer
+    project
+    python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); from benchmarks.bench_cost import build_target, \
+build_draft; o = Path('/tmp/bole_cost'); build_target('nemotron-h-8b', o, Path('/tmp/pd/tokenizer')); \
+build_draft(o, Path('/tmp/pd/tokenizer'), 'bfloat16')" > "$OUT/costprof_build.log" 2>&1
+    VLLM_BOLE_TREE_GRAPHS=1 timeout 560 python3 benchmarks/device/profile_step.py --model /tmp/bole_cost/nemotron-h-8b \
+        --draft /tmp/bole_cost/draft --load-format dummy --gpu-memory-utilization 0.6 --budget 1 --depth 1 \
+        --batch "${COSTPROF_BATCH:-128}" --tokens 32 --prompt-len 512 --out "$OUT/costprof" > "$OUT/costprof.log" 2>&1
+    grep -v '^ \|^(' "$OUT/costprof.log" | tail -12 | cut -c1-300
+}
+
 stage_kernels() {  # the Mamba1 tree kernel (issue 19): bench_mamba1_tree.py, ~100 s, no vLLM needed
     timeout 400 python3 benchmarks/bench_mamba1_tree.py > "$OUT/mamba1_tree.log" 2>&1
     tail -14 "$OUT/mamba1_tree.log" | cut -c1-200

@@ -25,7 +25,6 @@ DEVICES = {"H200": (4.8e12, 9.89e14), "H100": (3.35e12, 9.89e14), "H20": (4.0e12
            "A100": (2.0e12, 3.12e14), "L40S": (8.64e11, 3.62e14), "L4": (3.0e11, 1.21e14)}
 CPU = (2.0e10, 2.0e11)
 OVERHEAD_S = {"cuda": 1e-4, "cpu": 1e-3}
-OUTLIER = 4.0  # a drafting time or step rest over this many times its estimate (kernels compiled) counts as that much
 
 
 def device_roofline(device: torch.device) -> tuple[float, float]:
@@ -60,6 +59,7 @@ class StepBudget:
         self.switch = SpeculationSwitch()
         self.last: dict | None = None  # the engine step under way, as the switch samples it
         self.decided: bool | None = None  # the switch's choice for the next step (None: it made none)
+        self.next_bucket: int | None = None  # the token bucket of the trees drafted for the next step
         self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], observed_steps=0,
                           predicted_step_s=0.0, measured_step_s=0.0, plain_decode_steps=0)
 
@@ -99,13 +99,14 @@ class StepBudget:
         st["budget_steps"] += 1
         st["budget_nodes"] += choice.total
         st["budget_last"] = choice.budgets.tolist()
-        self.predicted_s = choice.predicted_s
+        self.predicted_s, self.next_bucket = choice.predicted_s, choice.bucket
 
     def drafted(self, seconds: float) -> None:
-        """The step under way drafted for ``seconds``: the controller's drafting time, exponentially weighted,
-        and the part of this step's interval that is not the rest (:meth:`step_begun`)."""
-        if self.ctl is not None:
-            self.ctl.draft_s = _weigh(self.ctl.draft_s, seconds)
+        """The step under way drafted the next step's trees for ``seconds``: a sample of the controller's
+        drafting time at those trees' token bucket, and the part of this step's interval that is not its rest
+        (:meth:`step_begun`)."""
+        if self.ctl is not None and self.next_bucket is not None:
+            self.ctl.draft.observe(self.next_bucket, seconds)
         if self.last is not None:
             self.last["draft_s"] = seconds
 
@@ -123,11 +124,13 @@ class StepBudget:
             steady = last["steady"] and not changed
             self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"] if steady else None,
                                 last.get("per_request"))
-            if steady and self.ctl is not None and "forward_s" in last:  # the controller's rest of a tree step
-                rest = self.t0 - last["t"] - last["forward_s"] - last.get("draft_s", 0.0)
-                self.ctl.rest_s = _weigh(self.ctl.rest_s, max(rest, 0.0))
+            if steady and self.ctl is not None and "forward_s" in last and last["bucket"] is not None:
+                rest = self.t0 - last["t"] - last["forward_s"] - last.get("draft_s", 0.0)  # the rest of a tree step
+                self.ctl.rest.observe(last["bucket"], max(rest, 0.0))
         steady = last is not None and last["tree"] == tree and self.decided in (None, tree)
-        self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, steady=steady)
+        self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, steady=steady,
+                         bucket=self.next_bucket if tree else None)  # the bucket of the trees it verifies
+        self.next_bucket = None
         self.decided = None
 
     def emitted(self, tokens: int, per_request: dict) -> None:
@@ -167,10 +170,3 @@ class StepBudget:
         predicted, self.predicted_s = self.predicted_s, None
         return predicted, measured
 
-
-def _weigh(estimate: float, sample: float) -> float:
-    """An exponentially weighted estimate (0: none yet) after ``sample``; a sample over ``OUTLIER`` times
-    the estimate (a step that compiled kernels) counts as that much."""
-    if estimate == 0:
-        return sample
-    return 0.8 * estimate + 0.2 * min(sample, OUTLIER * estimate)

@@ -10,6 +10,11 @@ requests' context lengths and its measured step times.
   exponentially weighted ratio per token bucket (the padded token count, i.e. the CUDA-graph
   size), each measurement clipped to 4x the current ratio (outliers: steps that compiled kernels);
   an unseen bucket borrows the ratio of the nearest seen one.
+* :class:`BucketTimes`: the step's time beside the forward, its drafting and its rest, likewise per token
+  bucket (seconds, not ratios: no prior). Per bucket because both grow with the tree: on the H200 at
+  ebdbbaa (c = 1, the 70M pair) 16 nodes a request drafted 0.3 ms longer than 8 and their host work took
+  ~0.8 ms longer, so one number for every bucket made 16 nodes look free and the controller chose them
+  where 8 gave 1.16x the tokens per second.
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
   by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
@@ -26,7 +31,9 @@ requests' context lengths and its measured step times.
   boundaries only (padding to a bucket costs the same as filling it). A request
   with poor acceptance scores low and gets a small tree; one without candidates gets none. Every
   16th choice explores the next larger bucket (the cap still holds), so a prior that overrates the
-  cost of larger buckets (an MoE model's inactive experts, say) gets corrected by measurement.
+  cost of larger buckets (an MoE model's inactive experts, say) gets corrected by measurement, and
+  every 16th, half-way between, the next smaller one: an unseen bucket reads its nearest seen
+  neighbour's times, so without it a smaller tree's lower cost is never seen.
   :meth:`BudgetController.search_budget` bounds the search the trees are cut from: twice the largest
   per-request budget chosen last (at least ``SEARCH_FLOOR``), the full cap before the first choice
   and before every exploring one. Seen on the H200 (198194b, c = 128): searching at the cap every
@@ -43,7 +50,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["BudgetController", "Choice", "Roofline", "StepCostModel"]
+__all__ = ["BucketTimes", "BudgetController", "Choice", "Roofline", "StepCostModel"]
 SEARCH_FLOOR = 4  # draft nodes per request the bounded search always allows
 
 
@@ -84,12 +91,7 @@ class StepCostModel:
 
     def correction(self, buckets) -> np.ndarray:
         """``[n]`` ratios for token buckets ``[n]`` (nearest seen bucket; 1 before any measurement)."""
-        buckets = np.asarray(buckets, dtype=np.float64)
-        if not self.ratio:
-            return np.ones(buckets.shape)
-        seen = sorted(self.ratio)
-        vals = np.array([self.ratio[b] for b in seen], dtype=np.float64)
-        return vals[np.abs(buckets[:, None] - np.array(seen, dtype=np.float64)[None, :]).argmin(1)]
+        return _nearest(self.ratio, buckets, 1.0)
 
     def observe(self, bucket: int, predicted_prior_s: float, measured_s: float) -> None:
         """One measured forward of token bucket ``bucket`` whose prior predicted ``predicted_prior_s``."""
@@ -99,6 +101,38 @@ class StepCostModel:
         ref = old if old is not None else float(self.correction([bucket])[0])
         r = min(max(measured_s / predicted_prior_s, ref / self.clip), ref * self.clip)
         self.ratio[int(bucket)] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+
+
+def _nearest(table: dict, buckets, default: float) -> np.ndarray:
+    """``[n]`` values of ``table`` (bucket -> value) at the nearest seen bucket of each of ``buckets`` ``[n]``
+    (``default`` before any)."""
+    buckets = np.asarray(buckets, dtype=np.float64).reshape(-1)
+    if not table:
+        return np.full(buckets.shape, default)
+    seen = sorted(table)
+    vals = np.array([table[b] for b in seen], dtype=np.float64)
+    return vals[np.abs(buckets[:, None] - np.array(seen, dtype=np.float64)[None, :]).argmin(1)]
+
+
+@dataclass
+class BucketTimes:
+    """Seconds per token bucket, exponentially weighted; a sample counts as at most ``clip`` times the
+    bucket's estimate (or its nearest seen neighbour's: a step that compiled kernels); an unseen bucket
+    reads its nearest seen neighbour's (0 before any sample)."""
+    alpha: float = 0.2
+    clip: float = 4.0
+    seconds: dict = field(default_factory=dict)  # bucket -> seconds
+
+    def at(self, buckets) -> np.ndarray:
+        return _nearest(self.seconds, buckets, 0.0)
+
+    def observe(self, bucket: int, sample: float) -> None:
+        if not (math.isfinite(sample) and sample >= 0):
+            return
+        old = self.seconds.get(int(bucket))
+        ref = old if old is not None else float(self.at([bucket])[0])
+        sample = min(sample, self.clip * ref) if ref > 0 else sample
+        self.seconds[int(bucket)] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
 
 @dataclass(frozen=True)
@@ -120,10 +154,10 @@ class BudgetController:
             raise ValueError(f"eps: must be >= 0 or None (got {eps})")
         self.cost, self.min, self.eps = cost, min_per_request, eps
         self.buckets = np.array(sorted(set(buckets)), dtype=np.int64) if buckets else None
-        self.draft_s = 0.0  # drafting time per step (the engine keeps it current)
-        self.rest_s = 0.0  # the rest of an engine step beside the forward and the drafting (likewise)
-        # every ``explore_every``-th choice takes the next larger allowed bucket, so that buckets the
-        # prior overrates get measured (a correction is only learnt where steps ran)
+        self.draft = BucketTimes()  # drafting time per step, by the step's token bucket (the engine measures)
+        self.rest = BucketTimes()  # the rest of an engine step beside the forward and the drafting (likewise)
+        # every ``explore_every``-th choice takes the next larger allowed bucket and, half-way between, the
+        # next smaller one, so that buckets get measured (times are only learnt where steps ran)
         self.explore_every, self.choices = explore_every, 0
         self.reach: int | None = None  # the largest per-request budget of the last choice
 
@@ -172,7 +206,7 @@ class BudgetController:
         last = np.ones(bucket.shape, dtype=bool)
         last[:-1] = bucket[1:] != bucket[:-1]
         cand = (last | (n == 0)) & (n >= forced)
-        step = cost + self.draft_s + self.rest_s  # the whole tree step's time
+        step = cost + self.draft.at(bucket) + self.rest.at(bucket)  # the whole tree step's time
         if self.eps is not None:
             cand &= step <= (1 + self.eps) * step[0]
         if not cand.any():
@@ -180,9 +214,14 @@ class BudgetController:
         tput = expected / step
         best = int(np.where(cand, tput, -math.inf).argmax())
         self.choices += 1
-        if self.explore_every and self.choices % self.explore_every == 0:
+        every = self.explore_every or 0
+        phase = self.choices % every if every else None
+        if phase == 0:
             larger = np.flatnonzero(cand & (bucket > bucket[best]))
             best = int(larger[0]) if larger.size else best
+        elif phase == every // 2:
+            smaller = np.flatnonzero(cand & (bucket < bucket[best]))
+            best = int(smaller[-1]) if smaller.size else best
         budgets = np.bincount(node_req[:best], minlength=B).astype(np.int64)
         self.reach = int(budgets.max()) if B else 0
         return Choice(budgets=torch.from_numpy(budgets), total=best, bucket=int(bucket[best]),
