@@ -143,7 +143,8 @@
 # two cold engine starts of ~200 s; keep the default 560), TREE_GRAPHS=1 COST_MODES=bole_tree `cost` (340 s), `graphs`
 # (281 s): 1705 s. Next stay: NEWARCHS=zamba2 `newarchs` (default timeout) right after `install`; then `parts unpack
 # matrix` with E2E_ONLY="ar/none bole_tree/draft_model" (do the host-work cuts lower the c = 1 step from 5.5 ms?);
-# then a profile at 8B shapes, batch 128, 2 nodes (where do 46 ms over AR's step go?).
+# then `costprof` (where do 46 ms over AR's step go at 8B shapes, batch 128, 2 nodes? needs /tmp/pd from .pair/data; ~8 min).
+# The controller now learns drafting and the rest per bucket: does `"auto"` at c = 1 settle on 8 nodes?
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
