@@ -145,6 +145,7 @@
 # matrix` with E2E_ONLY="ar/none bole_tree/draft_model" (do the host-work cuts lower the c = 1 step from 5.5 ms?);
 # then `costprof` (where do 46 ms over AR's step go at 8B shapes, batch 128, 2 nodes? needs /tmp/pd from .pair/data; ~8 min).
 # The controller now learns drafting and the rest per bucket: does `"auto"` at c = 1 settle on 8 nodes?
+# Also open for issue 13: MIXED="granitemoehybrid falcon_h1" `mixed` (never passed: their b3b778f runs failed at start).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
