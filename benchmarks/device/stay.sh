@@ -141,10 +141,10 @@
 # start included: every kernel equal, the draft's replay 0.60-1.45 ms), parts x2, `install` (62 s), `parts` x2 with the
 # pieces, `parts unpack matrix` as planned (541 s), NEWARCHS=zamba2 NEWARCHS_TIMEOUT=300 `newarchs` (269 s: too short,
 # two cold engine starts of ~200 s; keep the default 560), TREE_GRAPHS=1 COST_MODES=bole_tree `cost` (340 s), `graphs`
-# (281 s): 1705 s. Next stay: NEWARCHS=zamba2 `newarchs` (default timeout) right after `install`; then `parts unpack
-# matrix` with E2E_ONLY="ar/none bole_tree/draft_model" (do the host-work cuts lower the c = 1 step from 5.5 ms?);
-# then `costprof` (where do 46 ms over AR's step go at 8B shapes, batch 128, 2 nodes? needs /tmp/pd from .pair/data; ~8 min).
-# The controller now learns drafting and the rest per bucket: does `"auto"` at c = 1 settle on 8 nodes?
+# (281 s): 1705 s. Next stay (~1800 s; in this order, cut from the end): parts x2, `install`, `parts` x2 with the
+# pieces, `parts unpack matrix` with 06-07 + .pair/data and E2E_ONLY="ar/none bole_tree/draft_model" (does the
+# controller, now learning drafting and the rest per bucket, settle on 8 nodes at c = 1?), `costprof` (where do 46 ms
+# over AR's step go at 8B shapes, batch 128, 2 nodes? ~8 min), then NEWARCHS=zamba2 `newarchs` (default timeout).
 # Also open for issue 13: MIXED="granitemoehybrid falcon_h1" `mixed` (never passed: their b3b778f runs failed at start).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
