@@ -129,3 +129,15 @@ def test_a_job_names_the_kernels_compiled_while_it_ran():
     assert sorted(jobs) == [0, 1, 2] and jobs[0] == ["x"] and jobs[2] == []
     assert [JIT_COMPILED.search(ln).group(1) for ln in jobs[1] if JIT_COMPILED.search(ln)] == [
         "_tree_attn_fwd (constexprs={BLOCK_N=64})"]
+
+
+def test_a_job_counts_the_controller_choices_it_made():
+    """A cell's counters are the job's differences: the controller's choices per token bucket too (buckets not
+    chosen during the job left out); what it learnt per bucket as it stands."""
+    from vllm_bole.testing.engine_run import _stats_delta
+
+    before = dict(budget_steps=3, budget_buckets={16: 2, 24: 1}, controller_buckets={16: dict(draft_ms=1.0)})
+    after = dict(budget_steps=7, budget_buckets={16: 2, 24: 4, 32: 1}, controller_buckets={16: dict(draft_ms=1.5)})
+    got = _stats_delta(before, after)
+    assert got["budget_steps"] == 4 and got["budget_buckets"] == {24: 3, 32: 1}
+    assert got["controller_buckets"] == {16: dict(draft_ms=1.5)}

@@ -348,7 +348,8 @@ def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
         clock[0] += interval - 0.002
         if step == 2:
             assert sb.ctl.rest.seconds == {24: pytest.approx(0.005)}
-    assert sb.ctl.draft.seconds == {24: pytest.approx(0.003)}
+    assert sb.ctl.draft.seconds == {24: pytest.approx(0.003)} and sb.stats["budget_buckets"] == {24: 4}
+    assert sb.bucket_times()[24]["draft_ms"] == pytest.approx(3.0)
     sb.start()
     sb.step_begun(4, tree=True, prefill=False, changed=False)
     assert sb.ctl.rest.seconds == {24: pytest.approx(0.8 * 0.005 + 0.2 * 4 * 0.005)}

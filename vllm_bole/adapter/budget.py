@@ -60,7 +60,7 @@ class StepBudget:
         self.last: dict | None = None  # the engine step under way, as the switch samples it
         self.decided: bool | None = None  # the switch's choice for the next step (None: it made none)
         self.next_bucket: int | None = None  # the token bucket of the trees drafted for the next step
-        self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], observed_steps=0,
+        self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], budget_buckets={}, observed_steps=0,
                           predicted_step_s=0.0, measured_step_s=0.0, plain_decode_steps=0)
 
     def controller(self, runner) -> BudgetController:
@@ -99,7 +99,17 @@ class StepBudget:
         st["budget_steps"] += 1
         st["budget_nodes"] += choice.total
         st["budget_last"] = choice.budgets.tolist()
+        st["budget_buckets"][choice.bucket] = st["budget_buckets"].get(choice.bucket, 0) + 1
         self.predicted_s, self.next_bucket = choice.predicted_s, choice.bucket
+
+    def bucket_times(self) -> dict:
+        """What the controller has learnt per token bucket: {bucket: {forward_ratio, draft_ms, rest_ms}}."""
+        if self.ctl is None:
+            return {}
+        c = self.ctl
+        seen = sorted(set(c.cost.ratio) | set(c.draft.seconds) | set(c.rest.seconds))
+        return {b: dict(forward_ratio=c.cost.ratio.get(b), draft_ms=_ms(c.draft.seconds.get(b)),
+                        rest_ms=_ms(c.rest.seconds.get(b))) for b in seen}
 
     def drafted(self, seconds: float) -> None:
         """The step under way drafted the next step's trees for ``seconds``: a sample of the controller's
@@ -170,3 +180,6 @@ class StepBudget:
         predicted, self.predicted_s = self.predicted_s, None
         return predicted, measured
 
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 4)

@@ -290,6 +290,9 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     if after is None:
         return None
     out = {k: v - before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in after.items()}
+    if "budget_buckets" in after:  # choices per token bucket
+        was = before.get("budget_buckets", {})
+        out["budget_buckets"] = {k: v - was.get(k, 0) for k, v in after["budget_buckets"].items() if v > was.get(k, 0)}
     if "branch_by_depth" in after:
         out["branch_by_depth"] = {c: [a - b for a, b in zip(v, before["branch_by_depth"][c])]
                                   for c, v in after["branch_by_depth"].items()}
