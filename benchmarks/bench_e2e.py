@@ -199,7 +199,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                        switch_samples=st.get("switch_samples"))
         if cell["budget"] == "auto" and st.get("budget_steps"):
             row.update(chosen_nodes_per_step=st["budget_nodes"] / st["budget_steps"],
-                       chosen_buckets=st.get("budget_buckets"), controller_buckets=st.get("controller_buckets"),
+                       chosen_buckets=st.get("budget_buckets"), controller_model=st.get("controller_model"),
                        predicted_step_ms=1000 * st["predicted_step_s"] / max(st["observed_steps"], 1),
                        measured_step_ms=1000 * st["measured_step_s"] / max(st["observed_steps"], 1))
     elif mode == "vllm_chain":

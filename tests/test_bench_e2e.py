@@ -136,8 +136,8 @@ def test_a_job_counts_the_controller_choices_it_made():
     chosen during the job left out); what it learnt per bucket as it stands."""
     from vllm_bole.testing.engine_run import _stats_delta
 
-    before = dict(budget_steps=3, budget_buckets={16: 2, 24: 1}, controller_buckets={16: dict(draft_ms=1.0)})
-    after = dict(budget_steps=7, budget_buckets={16: 2, 24: 4, 32: 1}, controller_buckets={16: dict(draft_ms=1.5)})
+    before = dict(budget_steps=3, budget_buckets={16: 2, 24: 1}, controller_model={16: dict(draft_ms=1.0)})
+    after = dict(budget_steps=7, budget_buckets={16: 2, 24: 4, 32: 1}, controller_model={16: dict(draft_ms=1.5)})
     got = _stats_delta(before, after)
     assert got["budget_steps"] == 4 and got["budget_buckets"] == {24: 3, 32: 1}
-    assert got["controller_buckets"] == {16: dict(draft_ms=1.5)}
+    assert got["controller_model"] == {16: dict(draft_ms=1.5)}

@@ -8,7 +8,7 @@ import torch
 
 from vllm_bole.spec_decode.best_first import best_first_slots, best_first_tree
 from vllm_bole.spec_decode.candidates import Candidates
-from vllm_bole.spec_decode.controller import BucketTimes, BudgetController, Choice, Roofline, StepCostModel
+from vllm_bole.spec_decode.controller import BudgetController, Choice, NodeTimes, Roofline, StepCostModel
 from vllm_bole.spec_decode.step import draft_trees
 
 H200ISH = dict(weight_bytes=2e9, params_active=1e9, kv_bytes_per_token=4e4, attn_flops_per_pair=1e5, state_bytes=3e7,
@@ -141,7 +141,7 @@ def test_the_cap_is_on_the_whole_step():
     capped, free = BudgetController(cost, eps=0.1), BudgetController(cost, eps=None)
     assert capped.choose(full.logrho, full.valid, [100] * 4).total <= forward_cap
     for c in (capped, free):
-        c.rest.observe(1, 20 * float(prior[-1]))  # one sample: every bucket reads it
+        c.rest.observe(4, 0, 20 * float(prior[-1]))  # one sample: the same time at every node count
     ch = [c.choose(full.logrho, full.valid, [100] * 4).total for c in (capped, free)]
     assert ch[0] == ch[1] > forward_cap
 
@@ -193,7 +193,7 @@ def test_fixed_step_time_counts_against_the_step(fixed):
     full = best_first_slots(torch.arange(4), random_candidates(g, 4, 6, 4), 16, max_depth=6)
     ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None)
     assert ctl.choose(full.logrho, full.valid, [50] * 4).total == 0
-    getattr(ctl, fixed).observe(4, 1e3)
+    getattr(ctl, fixed).observe(4, 0, 1e3)
     assert ctl.choose(full.logrho, full.valid, [50] * 4).total == int(full.valid.sum()) - 4
 
 
@@ -205,55 +205,57 @@ def test_exploration_measures_the_next_buckets():
                            buckets=[4, 8, 16, 32, 64, 128], explore_every=4)
     plain = [ctl.choose(full.logrho, full.valid, [50] * 4) for _ in range(4)]  # nodes do not pay: root-only best
     assert [c.bucket for c in plain] == [4, 4, 4, 8] and plain[3].total == 4  # no smaller bucket; then the larger
-    ctl.draft.observe(1, 1.0)  # a fixed time that dwarfs the forward: every node pays
+    ctl.draft.observe(4, 0, 1.0)  # a fixed time that dwarfs the forward: every node pays
     paid = [ctl.choose(full.logrho, full.valid, [50] * 4) for _ in range(4)]
     assert int(full.valid.sum()) - 4 == 64  # all 64 nodes: bucket 128; the best 60 (bucket 64)
     assert [(c.bucket, c.total) for c in paid] == [(64, 60), (32, 28), (64, 60), (128, 64)]  # best, smaller, best, larger
 
 
-def test_bucket_times_nearest_weighted_clipped():
-    t = BucketTimes()
-    assert t.at([1, 64]).tolist() == [0.0, 0.0]
-    t.observe(8, 1e-3)
-    assert t.at([1, 8, 64]).tolist() == [1e-3, 1e-3, 1e-3]  # every bucket reads the one sample
-    t.observe(32, 1.0)  # a new bucket's first sample that compiled kernels: at most 4x its nearest neighbour
-    assert t.seconds[32] == pytest.approx(4e-3)
-    t.observe(8, 2e-3)
-    assert t.seconds[8] == pytest.approx(0.8e-3 + 0.4e-3) and t.at([12, 24]).tolist() == [t.seconds[8], 4e-3]
-    t.observe(8, float("nan"))
-    assert t.seconds[8] == pytest.approx(1.2e-3)
+def test_node_times_fit_a_line_per_batch_bucket():
+    t = NodeTimes(alpha=0.5)
+    assert t.at(4, [0, 10]).tolist() == [0.0, 0.0]
+    t.observe(4, 8, 2e-3)
+    assert t.at(3, [0, 8, 64]).tolist() == [2e-3] * 3  # one node count: no slope; batch 3 is bucket 4
+    t.observe(4, 16, 3e-3)
+    a, b = t.line(4)
+    assert b > 0 and t.at(4, [8, 16]).tolist() == pytest.approx([2.5e-3 - 4 * b, 2.5e-3 + 4 * b])
+    assert t.line(32) == (a, b)  # an unseen bucket: the nearest seen one's line
+    t.observe(4, 16, 1.0)  # a step that compiled kernels: at most 4x the line there
+    assert t.means[4][2] < 0.5 * (2.75e-3 + 4 * float(t.at(4, 16)))
+    t.observe(4, 8, 1e-4)
+    t.observe(4, 8, 1e-4)
+    assert t.line(4)[1] >= 0  # time never falls with the nodes
+    t.observe(64, 100, 9e-3)
+    assert t.line(64) == (9e-3, 0.0) and t.line(4) != t.line(64)
 
 
 def test_the_controller_learns_what_larger_trees_cost_around_the_forward():
     """The H200 at ebdbbaa, c = 1: the forward's cost flat in the tree, but drafting and host work grew with
-    it, so that 8 nodes gave more tokens per second than 16. With those times per bucket (and the smaller
-    bucket explored) the controller settles on the faster tree; with one time for every bucket it took the
-    largest."""
+    it (~0.16 ms a draft node), so that 8 nodes gave more tokens per second than 16. With those times as a
+    line in the nodes (node counts apart measured by the exploration) the controller settles on the best
+    tree; with one time for every tree it takes the largest."""
     g = torch.Generator().manual_seed(2)
     full = best_first_slots(torch.arange(1), random_candidates(g, 1, 8, 4), 16, max_depth=8)
     buckets = [1, 2, 4, 8, 16, 24, 32]
     flat = roofline(overhead_s=5e-4)  # the forward: weight-bound, the same for every bucket here
 
-    def around(bucket):  # drafting + the rest of the step: 2.5 ms, and 0.1 ms per token of the bucket
-        return 2.5e-3 + 1e-4 * bucket
+    def around(nodes):  # drafting + the rest of the step
+        return 2.5e-3 + 1.6e-4 * nodes
 
     ctl = BudgetController(StepCostModel(flat), eps=None, buckets=buckets)
     for _ in range(64):
         ch = ctl.choose(full.logrho, full.valid, [200])
-        ctl.draft.observe(ch.bucket, around(ch.bucket) / 2)
-        ctl.rest.observe(ch.bucket, around(ch.bucket) / 2)
+        ctl.draft.observe(1, ch.total, around(ch.total) / 2)
+        ctl.rest.observe(1, ch.total, around(ch.total) / 2)
     ch = ctl.choose(full.logrho, full.valid, [200])
-    n = torch.arange(int(full.valid.sum()))
-    rho = torch.cat([torch.zeros(1), full.logrho[0, 1:][full.valid[0, 1:]].exp().sort(descending=True).values.cumsum(0)])
-    bucket = torch.as_tensor(ctl.bucket(1 + n.numpy()))
-    forward = torch.as_tensor(flat.seconds(1, bucket.numpy(), (201 + n * 201).numpy(), 200.0))
-    tput = (1 + rho) / (forward + 2.5e-3 + 1e-4 * bucket)
-    last = torch.ones_like(n, dtype=torch.bool)
-    last[:-1] = bucket[1:] != bucket[:-1]
-    best = int(torch.where(last, tput, torch.tensor(-1.0, dtype=tput.dtype)).argmax())
-    assert best < int(n[-1]) and ch.total == best  # not the largest tree: the best one under the true times
+    rho = full.logrho[0, 1:][full.valid[0, 1:]].exp().sort(descending=True).values.double()
+    n = torch.arange(rho.numel() + 1)
+    forward = torch.as_tensor(flat.seconds(1, ctl.bucket(1 + n.numpy()), (201 + n * 201).numpy(), 200.0))
+    tput = (1 + torch.cat([torch.zeros(1, dtype=torch.double), rho.cumsum(0)])) / (forward + around(n.double()))
+    best = int(tput.argmax())
+    assert 0 < best < int(n[-1]) and abs(ch.total - best) <= 1  # the best tree under the true times, not the largest
     blind = BudgetController(StepCostModel(flat), eps=None, buckets=buckets)
-    blind.draft.observe(1 + int(n[-1]), around(32))  # one time for every bucket
+    blind.draft.observe(1, int(n[-1]), around(int(n[-1])))  # one time for every tree
     assert blind.choose(full.logrho, full.valid, [200]).total == int(n[-1])
 
 
@@ -268,7 +270,7 @@ def test_search_is_bounded_by_the_last_choice():
     cands = random_candidates(g, B, D, K)
     roots = list(range(B))
     ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None, explore_every=4)
-    ctl.draft.observe(1, 1e-2)  # some nodes pay, not all: ragged choices of up to 4 nodes
+    ctl.draft.observe(B, 0, 1e-2)  # some nodes pay, not all: ragged choices of up to 4 nodes
     bounds = []
     for step in range(6):
         bound = ctl.search_budget(32)
@@ -321,10 +323,10 @@ def test_steps_with_prompt_rows_are_not_learnt(monkeypatch):
         assert (got is None) == mixed
         clock[0] += 0.008
     assert sb.stats["observed_steps"] == 2 and "forward_s" not in sb.last and sb.t0 is None
-    assert sb.ctl.cost.ratio == ratio and sb.ctl.rest.seconds == {20: pytest.approx(0.008)}
+    assert sb.ctl.cost.ratio == ratio and sb.ctl.rest.line(4) == (pytest.approx(0.008), 0.0)
     sb.start()
     sb.step_begun(4, tree=True, prefill=False, changed=False)
-    assert sb.ctl.rest.seconds == {20: pytest.approx(0.008)}  # the mixed step's interval is no sample of the rest
+    assert sb.ctl.rest.line(4) == (pytest.approx(0.008), 0.0)  # the mixed step's interval is no sample of the rest
 
 
 def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
@@ -347,9 +349,9 @@ def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
         sb.drafted(0.003)  # the next trees, launched and read within this step
         clock[0] += interval - 0.002
         if step == 2:
-            assert sb.ctl.rest.seconds == {24: pytest.approx(0.005)}
-    assert sb.ctl.draft.seconds == {24: pytest.approx(0.003)} and sb.stats["budget_buckets"] == {24: 4}
-    assert sb.bucket_times()[24]["draft_ms"] == pytest.approx(3.0)
+            assert sb.ctl.rest.line(4) == (pytest.approx(0.005), 0.0)
+    assert sb.ctl.draft.line(4) == (pytest.approx(0.003), 0.0) and sb.stats["budget_buckets"] == {24: 4}
+    assert sb.model()["draft"] == {4: [pytest.approx(3.0), 0.0]}
     sb.start()
     sb.step_begun(4, tree=True, prefill=False, changed=False)
-    assert sb.ctl.rest.seconds == {24: pytest.approx(0.8 * 0.005 + 0.2 * 4 * 0.005)}
+    assert sb.ctl.rest.line(4) == (pytest.approx(0.95 * 0.005 + 0.05 * 4 * 0.005), 0.0)

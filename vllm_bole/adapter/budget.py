@@ -59,7 +59,7 @@ class StepBudget:
         self.switch = SpeculationSwitch()
         self.last: dict | None = None  # the engine step under way, as the switch samples it
         self.decided: bool | None = None  # the switch's choice for the next step (None: it made none)
-        self.next_bucket: int | None = None  # the token bucket of the trees drafted for the next step
+        self.next_trees: tuple[int, int] | None = None  # (requests, draft nodes) of the trees drafted for the next step
         self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], budget_buckets={}, observed_steps=0,
                           predicted_step_s=0.0, measured_step_s=0.0, plain_decode_steps=0)
 
@@ -100,23 +100,24 @@ class StepBudget:
         st["budget_nodes"] += choice.total
         st["budget_last"] = choice.budgets.tolist()
         st["budget_buckets"][choice.bucket] = st["budget_buckets"].get(choice.bucket, 0) + 1
-        self.predicted_s, self.next_bucket = choice.predicted_s, choice.bucket
+        self.predicted_s, self.next_trees = choice.predicted_s, (len(choice.budgets), choice.total)
 
-    def bucket_times(self) -> dict:
-        """What the controller has learnt per token bucket: {bucket: {forward_ratio, draft_ms, rest_ms}}."""
+    def model(self) -> dict:
+        """What the controller has learnt: the forward's ratio to its prior per token bucket; drafting and the
+        rest per batch bucket as [ms, ms per draft node]."""
         if self.ctl is None:
             return {}
         c = self.ctl
-        seen = sorted(set(c.cost.ratio) | set(c.draft.seconds) | set(c.rest.seconds))
-        return {b: dict(forward_ratio=c.cost.ratio.get(b), draft_ms=_ms(c.draft.seconds.get(b)),
-                        rest_ms=_ms(c.rest.seconds.get(b))) for b in seen}
+        line = lambda t: {k: [round(1000 * v, 4) for v in t.line(k)] for k in sorted(t.means)}  # noqa: E731
+        return dict(forward_ratio={b: round(r, 4) for b, r in sorted(c.cost.ratio.items())}, draft=line(c.draft),
+                    rest=line(c.rest))
 
     def drafted(self, seconds: float) -> None:
         """The step under way drafted the next step's trees for ``seconds``: a sample of the controller's
-        drafting time at those trees' token bucket, and the part of this step's interval that is not its rest
+        drafting time at those trees' size, and the part of this step's interval that is not its rest
         (:meth:`step_begun`)."""
-        if self.ctl is not None and self.next_bucket is not None:
-            self.ctl.draft.observe(self.next_bucket, seconds)
+        if self.ctl is not None and self.next_trees is not None:
+            self.ctl.draft.observe(*self.next_trees, seconds)
         if self.last is not None:
             self.last["draft_s"] = seconds
 
@@ -134,13 +135,13 @@ class StepBudget:
             steady = last["steady"] and not changed
             self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"] if steady else None,
                                 last.get("per_request"))
-            if steady and self.ctl is not None and "forward_s" in last and last["bucket"] is not None:
+            if steady and self.ctl is not None and "forward_s" in last and last["trees"] is not None:
                 rest = self.t0 - last["t"] - last["forward_s"] - last.get("draft_s", 0.0)  # the rest of a tree step
-                self.ctl.rest.observe(last["bucket"], max(rest, 0.0))
+                self.ctl.rest.observe(*last["trees"], max(rest, 0.0))
         steady = last is not None and last["tree"] == tree and self.decided in (None, tree)
         self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, steady=steady,
-                         bucket=self.next_bucket if tree else None)  # the bucket of the trees it verifies
-        self.next_bucket = None
+                         trees=self.next_trees if tree else None)  # (requests, draft nodes) it verifies
+        self.next_trees = None
         self.decided = None
 
     def emitted(self, tokens: int, per_request: dict) -> None:
@@ -180,6 +181,3 @@ class StepBudget:
         predicted, self.predicted_s = self.predicted_s, None
         return predicted, measured
 
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1000 * seconds, 4)

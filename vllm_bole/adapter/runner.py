@@ -603,8 +603,9 @@ class TreeRunnerMixin:
         ``calibration``: per node kind (main, branch, off) and depth the recent acceptance rates and
         the builder's factors (``spec_decode.calibration``); with ``budget: "auto"`` the
         controller's counters (budget_steps, budget_nodes, budget_last: the latest per-request
-        budgets, budget_buckets: choices per token bucket, controller_buckets: what it learnt per token
-        bucket (forward ratio to its prior, drafting and rest ms), observed_steps, predicted_step_s / measured_step_s: sums over observed steps;
+        budgets, budget_buckets: choices per token bucket, controller_model: what it learnt (the forward's
+        ratio to its prior per token bucket, drafting and rest as [ms, ms per draft node] per batch bucket),
+        observed_steps, predicted_step_s / measured_step_s: sums over observed steps;
         plain_decode_steps: steps the speculation switch had decode plainly; switch_rates: per batch
         bucket its estimated tokens / s / request of tree steps and of plain decoding; switch_samples: the
         samples behind them, per mode {"tokens": per request of its latest decode steps, "seconds": of its
@@ -615,7 +616,7 @@ class TreeRunnerMixin:
             per_mode = lambda f: {b: {"trees" if m else "plain": v for m, v in f(b).items()}  # noqa: E731
                                   for b in sorted(switch.buckets)}
             budget = dict(self._bole_auto.stats, switch_rates=per_mode(switch.rates),
-                          switch_samples=per_mode(switch.samples), controller_buckets=self._bole_auto.bucket_times())
+                          switch_samples=per_mode(switch.samples), controller_model=self._bole_auto.model())
         depth = slice(1, self.bole_config.depth + 1)
         cols = branch_columns(self._bole_kinds)
         branch = {c: cols[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}

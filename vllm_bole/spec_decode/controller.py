@@ -10,15 +10,16 @@ requests' context lengths and its measured step times.
   exponentially weighted ratio per token bucket (the padded token count, i.e. the CUDA-graph
   size), each measurement clipped to 4x the current ratio (outliers: steps that compiled kernels);
   an unseen bucket borrows the ratio of the nearest seen one.
-* :class:`BucketTimes`: the step's time beside the forward, its drafting and its rest, likewise per token
-  bucket (seconds, not ratios: no prior). Per bucket because both grow with the tree: on the H200 at
-  ebdbbaa (c = 1, the 70M pair) 16 nodes a request drafted 0.3 ms longer than 8 and their host work took
-  ~0.8 ms longer, so one number for every bucket made 16 nodes look free and the controller chose them
-  where 8 gave 1.16x the tokens per second.
+* :class:`NodeTimes`: the step's time beside the forward, its drafting and its rest, each ``a + b * nodes``
+  per batch bucket (requests rounded up to a power of two; ``nodes`` the step's draft nodes), fitted online.
+  The forward is flat within a CUDA-graph bucket, but drafting and the host's work grow with every node: on
+  the H200 at ebdbbaa (c = 1, the 70M pair) 16 nodes a request took 1.3 ms a step more than 8, and with one
+  number for the drafting and one for the rest the controller chose 16 where 8 gave 1.16x the tokens per
+  second.
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
   by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
-  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting time + rest)`` (``rest``:
+  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting(N) + rest(N))`` (``rest``:
   the engine step's time around the forward and the drafting, its scheduling and output processing,
   measured by the engine; without it, on the H200 at 59e0ecd, the choice at 32 requests was ~6 nodes
   a request where 16 gave 1.09x the tokens per second: a step's fixed ~4 ms of host work was
@@ -27,13 +28,12 @@ requests' context lengths and its measured step times.
   of the same batch (Bole's cap, on the whole step: on the H200 at af4cf8f, capping the forward alone
   at 2x kept 128 requests at 3-6 nodes each, the prior's flops growing 3x from 128 to 2048 tokens,
   where 16 nodes each were 1.9x the tokens per second: the step was ~25 ms of which the forward ~5,
-  flat in the node count; a cap on the forward never lets the exploration measure that), on bucket
-  boundaries only (padding to a bucket costs the same as filling it). A request
+  flat in the node count; a cap on the forward never lets the exploration measure that). A request
   with poor acceptance scores low and gets a small tree; one without candidates gets none. Every
-  16th choice explores the next larger bucket (the cap still holds), so a prior that overrates the
+  16th choice explores the next larger bucket, filled (the cap still holds), so a prior that overrates the
   cost of larger buckets (an MoE model's inactive experts, say) gets corrected by measurement, and
-  every 16th, half-way between, the next smaller one: an unseen bucket reads its nearest seen
-  neighbour's times, so without it a smaller tree's lower cost is never seen.
+  every 16th, half-way between, the next smaller one (node counts apart, so that the times' slopes are
+  measured).
   :meth:`BudgetController.search_budget` bounds the search the trees are cut from: twice the largest
   per-request budget chosen last (at least ``SEARCH_FLOOR``), the full cap before the first choice
   and before every exploring one. Seen on the H200 (198194b, c = 128): searching at the cap every
@@ -50,7 +50,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["BucketTimes", "BudgetController", "Choice", "Roofline", "StepCostModel"]
+__all__ = ["BudgetController", "Choice", "NodeTimes", "Roofline", "StepCostModel"]
 SEARCH_FLOOR = 4  # draft nodes per request the bounded search always allows
 
 
@@ -115,24 +115,42 @@ def _nearest(table: dict, buckets, default: float) -> np.ndarray:
 
 
 @dataclass
-class BucketTimes:
-    """Seconds per token bucket, exponentially weighted; a sample counts as at most ``clip`` times the
-    bucket's estimate (or its nearest seen neighbour's: a step that compiled kernels); an unseen bucket
-    reads its nearest seen neighbour's (0 before any sample)."""
-    alpha: float = 0.2
+class NodeTimes:
+    """Seconds of a part of the step as ``a + b * nodes`` per batch bucket (requests rounded up to a power of
+    two; an unseen bucket reads the nearest seen one's line, none: 0), by exponentially weighted least
+    squares (a sample weighs ``alpha``) with ``b >= 0`` (0 until two node counts were seen); a sample counts
+    as at most ``clip`` times the line's value there (a step that compiled kernels)."""
+    alpha: float = 0.05
     clip: float = 4.0
-    seconds: dict = field(default_factory=dict)  # bucket -> seconds
+    means: dict = field(default_factory=dict)  # batch bucket -> weighted means of [n, n^2, t, n t]
 
-    def at(self, buckets) -> np.ndarray:
-        return _nearest(self.seconds, buckets, 0.0)
+    def line(self, batch: int) -> tuple[float, float]:
+        """(a, b) seconds of the batch's bucket."""
+        if not self.means:
+            return 0.0, 0.0
+        k = math.log2(_batch_bucket(batch))
+        n, nn, t, nt = self.means[min(self.means, key=lambda s: abs(math.log2(s) - k))]
+        var = nn - n * n
+        b = max((nt - n * t) / var, 0.0) if var > 1e-6 * max(n * n, 1.0) else 0.0
+        return max(t - b * n, 0.0), b
 
-    def observe(self, bucket: int, sample: float) -> None:
+    def at(self, batch: int, nodes) -> np.ndarray:
+        a, b = self.line(batch)
+        return a + b * np.asarray(nodes, dtype=np.float64)
+
+    def observe(self, batch: int, nodes: int, sample: float) -> None:
         if not (math.isfinite(sample) and sample >= 0):
             return
-        old = self.seconds.get(int(bucket))
-        ref = old if old is not None else float(self.at([bucket])[0])
+        ref = float(self.at(batch, nodes))
         sample = min(sample, self.clip * ref) if ref > 0 else sample
-        self.seconds[int(bucket)] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+        x = np.array([nodes, nodes * nodes, sample, nodes * sample], dtype=np.float64)
+        k = _batch_bucket(batch)
+        old = self.means.get(k)
+        self.means[k] = x if old is None else (1 - self.alpha) * old + self.alpha * x
+
+
+def _batch_bucket(batch: int) -> int:
+    return 1 << max(int(batch) - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)
@@ -154,10 +172,10 @@ class BudgetController:
             raise ValueError(f"eps: must be >= 0 or None (got {eps})")
         self.cost, self.min, self.eps = cost, min_per_request, eps
         self.buckets = np.array(sorted(set(buckets)), dtype=np.int64) if buckets else None
-        self.draft = BucketTimes()  # drafting time per step, by the step's token bucket (the engine measures)
-        self.rest = BucketTimes()  # the rest of an engine step beside the forward and the drafting (likewise)
+        self.draft = NodeTimes()  # drafting time per step (the engine measures)
+        self.rest = NodeTimes()  # the rest of an engine step beside the forward and the drafting (likewise)
         # every ``explore_every``-th choice takes the next larger allowed bucket and, half-way between, the
-        # next smaller one, so that buckets get measured (times are only learnt where steps ran)
+        # next smaller one, so that buckets and node counts get measured (times are only learnt where steps ran)
         self.explore_every, self.choices = explore_every, 0
         self.reach: int | None = None  # the largest per-request budget of the last choice
 
@@ -202,11 +220,8 @@ class BudgetController:
         bucket = self.bucket(B + n)
         prior = self.cost.prior.seconds(B, bucket, pairs, float(kv.sum()))
         cost = prior * self.cost.correction(bucket)
-        # candidates: the largest total of each bucket (the same cost, more nodes), and N = 0
-        last = np.ones(bucket.shape, dtype=bool)
-        last[:-1] = bucket[1:] != bucket[:-1]
-        cand = (last | (n == 0)) & (n >= forced)
-        step = cost + self.draft.at(bucket) + self.rest.at(bucket)  # the whole tree step's time
+        cand = n >= forced
+        step = cost + self.draft.at(B, n) + self.rest.at(B, n)  # the whole tree step's time
         if self.eps is not None:
             cand &= step <= (1 + self.eps) * step[0]
         if not cand.any():
@@ -216,9 +231,9 @@ class BudgetController:
         self.choices += 1
         every = self.explore_every or 0
         phase = self.choices % every if every else None
-        if phase == 0:
+        if phase == 0:  # the next larger bucket, filled
             larger = np.flatnonzero(cand & (bucket > bucket[best]))
-            best = int(larger[0]) if larger.size else best
+            best = int(np.flatnonzero(cand & (bucket == bucket[larger[0]]))[-1]) if larger.size else best
         elif phase == every // 2:
             smaller = np.flatnonzero(cand & (bucket < bucket[best]))
             best = int(smaller[-1]) if smaller.size else best
