@@ -301,6 +301,33 @@ def test_mixed_batch_with_abort(engines, models):
     assert st["plain_decode_steps"] >= 1 and st["tree_steps"] > st["plain_decode_steps"] // 8
 
 
+def test_bf16_mixed_batch_within_the_engines_noise(engines, models):
+    """Qwen3-Next (bf16, Gated DeltaNet): the mixed batch with an abort (chunked prefill beside tree steps, a
+    sampled, a penalised and a one-token request) judged as every bf16 comparison: the greedy streams within
+    the engine's own decode/prefill noise (the mixed job's ``logprobs`` and ``rescore``); the penalised one left
+    out (raw logprobs: the penalty may overrule their top token); the abort lands."""
+    arch = "qwen3_next"
+    m = models[arch]
+    prompts = engines.prompts(arch)
+    long_prompt = engine_run.prompt_token_ids(m, [" ".join(PROMPTS) * 3])[0][:200]
+    kw = dict(llm_kwargs=dict(max_num_batched_tokens=64, enable_chunked_prefill=True))
+    k = logprobs_k(arch)
+    base = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, False), 24,
+                                                          logprobs=k, rescore=k)], **kw)
+    r = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, True), 24, logprobs=k)],
+                              spec=spec_config("draft_model", m), **kw)
+    b, o = base["jobs"][0]["outputs"], r["jobs"][0]["outputs"]
+    greedy = ("g0", "long", "g2", "one")
+    pick = lambda out, key: [out[i][key] for i in greedy]  # noqa: E731
+    verdict = compare_greedy(checkpoint_dtype(arch), dict(tokens=pick(b, "tokens"), top=pick(b, "top"),
+                                                          rescored=pick(b, "rescored")),
+                             dict(tokens=pick(o, "tokens"), top=pick(o, "top")))
+    print(verdict.summary())
+    assert verdict.ok, verdict.problems
+    assert o["ab"]["finish_reason"] == "aborted_by_client" and 0 < len(o["ab"]["tokens"]) < 24
+    assert len(o["rs"]["tokens"]) == len(o["pen"]["tokens"]) == 24 and r["jobs"][0]["stats"]["accepted"] > 0
+
+
 def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     """The engine-start warm-up (``vllm_bole.adapter.warmup``: whole tree steps on the null block, each
     tree-size class twice, then a flush; automatic on CUDA) run on CPU through ``bole_warm_up``

@@ -145,7 +145,8 @@
 # pieces, `parts unpack matrix` with 06-07 + .pair/data and E2E_ONLY="ar/none bole_tree/draft_model" (does the
 # controller, now learning drafting and the rest per bucket, settle on 8 nodes at c = 1?), `costprof` (where do 46 ms
 # over AR's step go at 8B shapes, batch 128, 2 nodes? ~8 min), then NEWARCHS=zamba2 `newarchs` (default timeout).
-# Also open for issue 13: MIXED="granitemoehybrid falcon_h1" `mixed` (never passed: their b3b778f runs failed at start).
+# Also open for issue 13: MIXED="granitemoehybrid falcon_h1 qwen3_next" `mixed` (the first two never ran past their
+# start, b3b778f; Qwen3-Next's case is new: bf16 by the engine-noise criterion).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"

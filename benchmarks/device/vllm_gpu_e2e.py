@@ -74,7 +74,7 @@ DRAFTERS = ("ngram", "draft_model")
 # nor in 454 s on the H200 (3adce69, ac1f958). The tiny Llama drafts it paged, under graphs: the row then checks a
 # separate draft's branching trees (mostly rejected) instead of a self-draft's accepted chains.
 SEPARATE_DRAFT = {"zamba2": "llama"}
-MIXED_ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2", "llama")  # fp32, CUDA graphs
+MIXED_ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2", "llama", "qwen3_next")  # CUDA graphs
 # (dtype, CUDA graphs) per part and architecture. Qwen3-Next and Qwen3.5 run bf16 only: vLLM's FLA
 # chunked GDN prefill (the Triton backend; FlashInfer is not bundled) does not take fp32 inputs.
 PARTS = {"graphs": {"qwen3_next": [("bfloat16", True)], "qwen3_5": [("bfloat16", True)], "*": [("float32", True)]},
@@ -208,28 +208,44 @@ def _mixed_requests(prompts, abort: bool):
 
 
 def mixed_case(arch, model, prompts) -> dict:
+    """fp32 (bf16 where the architecture runs only that, ``PARTS``): the greedy requests identical to the run
+    without speculation; in bf16 within the engine's own noise (``compare_greedy``: the baseline's decode and
+    prefill paths measured against each other), the penalised request then left out (its logprobs are the
+    raw ones, whose top token the penalty may overrule)."""
     # A cache the longest request (200 + 64 tokens) fits alone and the batch does not. Llama: 22 blocks
     # of 16 tokens, of which vLLM 0.33 serves 21 (336 tokens: its estimate from 24 blocks was 368).
     # Hybrids: vLLM enlarges attention blocks to the recurrent state's page (64 tokens on the tiny
     # models) and every running sequence holds one block for its state, so 12 blocks and at most 8
     # sequences (the CPU engine preempted NemotronH with 12: tests/test_vllm_tree_spec.py).
     blocks, seqs, max_len = (22, 16, 336) if arch == "llama" else (12, 8, 384)
+    dtype = PARTS["graphs"].get(arch, PARTS["graphs"]["*"])[0][0]
+    bf16 = dtype == "bfloat16"
     kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=blocks, block_size=16,
-              max_model_len=max_len, max_num_seqs=seqs)
-    base = run(model, [engine_run.mixed_job(_mixed_requests(prompts, False), 64)], **kw)
-    ours = run(model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64)], spec_cfg=spec("draft_model", model),
-               **kw)
+              max_model_len=max_len, max_num_seqs=seqs, dtype=dtype)
+    k = 10 if bf16 else None
+    base = run(model, [engine_run.mixed_job(_mixed_requests(prompts, False), 64, logprobs=k, rescore=k)], **kw)
+    ours = run(model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64, logprobs=k)],
+               spec_cfg=spec("draft_model", model), **kw)
     if "error" in base or "error" in ours:
-        return dict(arch=arch, ok=False, error=base.get("error") or ours.get("error"))
+        return dict(arch=arch, dtype=dtype, ok=False, error=base.get("error") or ours.get("error"))
     b, o = base["jobs"][0]["outputs"], ours["jobs"][0]["outputs"]
-    greedy = ("g0", "pen", "long", "g2", "g3", "g4", "one")
+    greedy = ("g0", "long", "g2", "g3", "g4", "one") if bf16 else ("g0", "pen", "long", "g2", "g3", "g4", "one")
     same = {rid: o[rid]["tokens"] == b[rid]["tokens"] for rid in greedy}
     ab = o["ab"]
     st = ours["jobs"][0]["stats"]
-    return dict(arch=arch, ok=all(same.values()) and ab["finish_reason"] == "aborted_by_client"
-                and ab["tokens"] == b["ab"]["tokens"][: len(ab["tokens"])], same=same,
-                aborted_after_tokens=len(ab["tokens"]), resumed_requests=st["resumed_requests"],
-                prefill_mixed_tree_steps=st["prefill_mixed_tree_steps"], accepted=st["accepted"])
+    out = dict(arch=arch, dtype=dtype, same=same, aborted_after_tokens=len(ab["tokens"]),
+               resumed_requests=st["resumed_requests"], prefill_mixed_tree_steps=st["prefill_mixed_tree_steps"],
+               accepted=st["accepted"])
+    aborted_ok = ab["finish_reason"] == "aborted_by_client"
+    if bf16:  # the aborted stream's tokens not compared (a near tie may part them), its finish reason is
+        pick = lambda r, key: [r[i][key] for i in greedy]  # noqa: E731
+        v = compare_greedy(dtype, dict(tokens=pick(b, "tokens"), top=pick(b, "top"), rescored=pick(b, "rescored")),
+                           dict(tokens=pick(o, "tokens"), top=pick(o, "top")))
+        out.update(ok=v.ok and aborted_ok, noise=v.noise, worst_margin_change=v.worst, partings=v.partings,
+                   problems=v.problems[:5])
+    else:
+        out["ok"] = all(same.values()) and aborted_ok and ab["tokens"] == b["ab"]["tokens"][: len(ab["tokens"])]
+    return out
 
 
 def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, soak_s: float | None,

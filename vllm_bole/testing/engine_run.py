@@ -101,8 +101,11 @@ def gate_job(ready, go) -> dict:
     return dict(kind="gate", ready=str(ready), go=str(go))
 
 
-def mixed_job(requests: list[dict], max_tokens: int) -> dict:
-    return dict(kind="mixed", requests=requests, max_tokens=max_tokens)
+def mixed_job(requests: list[dict], max_tokens: int, logprobs: int | None = None, rescore: int | None = None) -> dict:
+    """Requests arriving at given engine steps (``arrive``), some aborted (``abort_after`` steps), each with
+    its own params; ``logprobs=k``: the greedy requests' top-k per position (``top``), ``rescore=k``: then
+    their streams scored again through the prefill path (``rescored``), as :func:`generate_job`'s."""
+    return dict(kind="mixed", requests=requests, max_tokens=max_tokens, logprobs=logprobs, rescore=rescore)
 
 
 def soak_job(prompts, seconds: float, *, seed: int = 0, concurrency: int = 24, max_tokens: int = 96) -> dict:
@@ -383,6 +386,8 @@ def _mixed(llm, job, done: list) -> dict:
             r = pending.pop(0)
             params = dict(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
             params.update(r.get("params", {}))
+            if job.get("logprobs") and params["temperature"] == 0:
+                params["logprobs"] = job["logprobs"]
             engine.add_request(r["id"], dict(prompt_token_ids=r["prompt"]), SamplingParams(**params))
             added_at[r["id"]] = step
         for rid, after in list(aborts.items()):
@@ -396,11 +401,21 @@ def _mixed(llm, job, done: list) -> dict:
                 continue
             c = o.outputs[0] if o.outputs else None
             outputs[rid] = dict(tokens=list(c.token_ids) if c else [], finish_reason=c.finish_reason if c else None)
+            if c is not None and c.logprobs:
+                outputs[rid]["top"] = _top_rows(c.logprobs)
             if o.finished:
                 finished[rid] = step
         step += 1
         if step > 10_000:
             raise RuntimeError("mixed scenario did not finish")
+    if job.get("rescore"):
+        ids = [r["id"] for r in job["requests"] if "top" in outputs.get(r["id"], {})]
+        prompts = {r["id"]: r["prompt"] for r in job["requests"]}
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=job["rescore"])
+        again = llm.generate([dict(prompt_token_ids=list(prompts[i]) + outputs[i]["tokens"]) for i in ids], sp,
+                             use_tqdm=False)
+        for i, o in zip(ids, again):
+            outputs[i]["rescored"] = _top_rows(o.prompt_logprobs[len(prompts[i]):])
     return dict(outputs=outputs, finished_step=finished, added_step=added_at, steps=step)
 
 
