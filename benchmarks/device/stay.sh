@@ -141,12 +141,12 @@
 # start included: every kernel equal, the draft's replay 0.60-1.45 ms), parts x2, `install` (62 s), `parts` x2 with the
 # pieces, `parts unpack matrix` as planned (541 s), NEWARCHS=zamba2 NEWARCHS_TIMEOUT=300 `newarchs` (269 s: too short,
 # two cold engine starts of ~200 s; keep the default 560), TREE_GRAPHS=1 COST_MODES=bole_tree `cost` (340 s), `graphs`
-# (281 s): 1705 s. Next stay (~1800 s; in this order, cut from the end): parts x2, `install`, `parts` x2 with the
-# pieces, `parts unpack matrix` with 06-07 + .pair/data and E2E_ONLY="ar/none bole_tree/draft_model" (does the
-# controller, now learning drafting and the rest per bucket, settle on 8 nodes at c = 1?), `costprof` (where do 46 ms
-# over AR's step go at 8B shapes, batch 128, 2 nodes? ~8 min), then NEWARCHS=zamba2 `newarchs` (default timeout).
-# Also open for issue 13: MIXED="granitemoehybrid falcon_h1 qwen3_next" `mixed` (the first two never ran past their
-# start, b3b778f; Qwen3-Next's case is new: bf16 by the engine-noise criterion).
+# (281 s): 1705 s. Next stay (~1800 s; in this order, cut from the end): parts x2, `install`, then MIXED="granitemoehybrid
+# falcon_h1 qwen3_next" `mixed` (issue 13's last open item: the first two never ran past their start at b3b778f, Qwen3-Next's
+# bf16 case is new; ~5 min), `parts` x2 with the pieces, `parts unpack matrix` with 06-07 + .pair/data and
+# E2E_ONLY="ar/none bole_tree/draft_model" (does the controller, now learning drafting and the rest as lines in the
+# draft nodes, settle on ~8 nodes at c = 1? rows' `chosen_buckets`, `controller_model`), `costprof` (where do 46 ms over
+# AR's step go at 8B shapes, batch 128, 2 nodes? ~8 min), then NEWARCHS=zamba2 `newarchs` (default timeout).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -345,11 +345,12 @@ stage_newarchs() {  # issue 19: the open matrix rows, Qwen3.5 and Zamba2 with th
     tail -20 "$OUT/vllm_gpu_e2e_newarchs.log" | cut -c1-200
 }
 
-stage_mixed() {  # issue 13 item 1: the mixed batches with an abort and preemption (NemotronH, Mamba2, Llama; ~4 min)
+stage_mixed() {  # issue 13 item 1: the mixed batches with an abort and preemption (MIXED, default NemotronH, Mamba2,
+    # Llama; ~4 min)
     project
     prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
     timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows --deadline 520 \
-        --mixed nemotron_h --mixed mamba2 --mixed llama --prior "$prior" > "$OUT/vllm_gpu_e2e_mixed.log" 2>&1
+        $(printf -- "--mixed %s " ${MIXED:-nemotron_h mamba2 llama}) --prior "$prior" > "$OUT/vllm_gpu_e2e_mixed.log" 2>&1
     cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null  # the next stage's --prior
     tail -20 "$OUT/vllm_gpu_e2e_mixed.log" | cut -c1-200
 }
