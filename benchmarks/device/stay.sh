@@ -146,7 +146,8 @@
 # bf16 case is new; ~5 min), `parts` x2 with the pieces, `parts unpack matrix` with 06-07 + .pair/data and
 # E2E_ONLY="ar/none bole_tree/draft_model" (does the controller, now learning drafting and the rest as lines in the
 # draft nodes, settle on ~8 nodes at c = 1? rows' `chosen_buckets`, `controller_model`), `costprof` (where do 46 ms over
-# AR's step go at 8B shapes, batch 128, 2 nodes? ~8 min), then NEWARCHS=zamba2 `newarchs` (default timeout).
+# AR's step go at 8B shapes, batch 128, 2 nodes? ~8 min), then NEWARCHS=zamba2 `newarchs` (default timeout), or
+# `kernelspeed` (issue 14's SSD and tree-attention numbers since the envelope rework, no vLLM, ~5 min).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -324,6 +325,13 @@ build_draft(o, Path('/tmp/pd/tokenizer'), 'bfloat16')" > "$OUT/costprof_build.lo
         --draft /tmp/bole_cost/draft --load-format dummy --gpu-memory-utilization 0.6 --budget 1 --depth 1 \
         --batch "${COSTPROF_BATCH:-128}" --tokens 32 --prompt-len 512 --out "$OUT/costprof" > "$OUT/costprof.log" 2>&1
     grep -v '^ \|^(' "$OUT/costprof.log" | tail -12 | cut -c1-300
+}
+
+stage_kernelspeed() {  # issue 14: the SSD and tree-attention kernels against their floors, quick shapes (B = 32, N = 64
+    # among them; no vLLM needed; their H200 numbers predate the envelope rework). GDN needs FLA (not in the bundle).
+    timeout 280 python3 benchmarks/bench_mamba2_tree.py --quick > "$OUT/mamba2_tree.log" 2>&1
+    timeout 280 python3 benchmarks/bench_tree_attention.py --quick > "$OUT/tree_attention.log" 2>&1
+    tail -8 "$OUT/mamba2_tree.log" "$OUT/tree_attention.log" | cut -c1-200
 }
 
 stage_kernels() {  # the Mamba1 tree kernel (issue 19): bench_mamba1_tree.py, ~100 s, no vLLM needed
