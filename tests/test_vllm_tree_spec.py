@@ -318,10 +318,8 @@ def test_bf16_mixed_batch_within_the_engines_noise(engines, models):
                               spec=spec_config("draft_model", m), **kw)
     b, o = base["jobs"][0]["outputs"], r["jobs"][0]["outputs"]
     greedy = ("g0", "long", "g2", "one")
-    pick = lambda out, key: [out[i][key] for i in greedy]  # noqa: E731
-    verdict = compare_greedy(checkpoint_dtype(arch), dict(tokens=pick(b, "tokens"), top=pick(b, "top"),
-                                                          rescored=pick(b, "rescored")),
-                             dict(tokens=pick(o, "tokens"), top=pick(o, "top")))
+    verdict = compare_greedy(checkpoint_dtype(arch), engine_run.mixed_streams(b, greedy),
+                             engine_run.mixed_streams(o, greedy))
     print(verdict.summary())
     assert verdict.ok, verdict.problems
     assert o["ab"]["finish_reason"] == "aborted_by_client" and 0 < len(o["ab"]["tokens"]) < 24

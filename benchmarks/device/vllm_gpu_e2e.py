@@ -238,9 +238,7 @@ def mixed_case(arch, model, prompts) -> dict:
                accepted=st["accepted"])
     aborted_ok = ab["finish_reason"] == "aborted_by_client"
     if bf16:  # the aborted stream's tokens not compared (a near tie may part them), its finish reason is
-        pick = lambda r, key: [r[i][key] for i in greedy]  # noqa: E731
-        v = compare_greedy(dtype, dict(tokens=pick(b, "tokens"), top=pick(b, "top"), rescored=pick(b, "rescored")),
-                           dict(tokens=pick(o, "tokens"), top=pick(o, "top")))
+        v = compare_greedy(dtype, engine_run.mixed_streams(b, greedy), engine_run.mixed_streams(o, greedy))
         out.update(ok=v.ok and aborted_ok, noise=v.noise, worst_margin_change=v.worst, partings=v.partings,
                    problems=v.problems[:5])
     else:

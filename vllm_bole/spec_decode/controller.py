@@ -91,7 +91,12 @@ class StepCostModel:
 
     def correction(self, buckets) -> np.ndarray:
         """``[n]`` ratios for token buckets ``[n]`` (nearest seen bucket; 1 before any measurement)."""
-        return _nearest(self.ratio, buckets, 1.0)
+        buckets = np.asarray(buckets, dtype=np.float64)
+        if not self.ratio:
+            return np.ones(buckets.shape)
+        seen = sorted(self.ratio)
+        vals = np.array([self.ratio[b] for b in seen], dtype=np.float64)
+        return vals[np.abs(buckets[:, None] - np.array(seen, dtype=np.float64)[None, :]).argmin(1)]
 
     def observe(self, bucket: int, predicted_prior_s: float, measured_s: float) -> None:
         """One measured forward of token bucket ``bucket`` whose prior predicted ``predicted_prior_s``."""
@@ -101,17 +106,6 @@ class StepCostModel:
         ref = old if old is not None else float(self.correction([bucket])[0])
         r = min(max(measured_s / predicted_prior_s, ref / self.clip), ref * self.clip)
         self.ratio[int(bucket)] = r if old is None else (1 - self.alpha) * old + self.alpha * r
-
-
-def _nearest(table: dict, buckets, default: float) -> np.ndarray:
-    """``[n]`` values of ``table`` (bucket -> value) at the nearest seen bucket of each of ``buckets`` ``[n]``
-    (``default`` before any)."""
-    buckets = np.asarray(buckets, dtype=np.float64).reshape(-1)
-    if not table:
-        return np.full(buckets.shape, default)
-    seen = sorted(table)
-    vals = np.array([table[b] for b in seen], dtype=np.float64)
-    return vals[np.abs(buckets[:, None] - np.array(seen, dtype=np.float64)[None, :]).argmin(1)]
 
 
 @dataclass

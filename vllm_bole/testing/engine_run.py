@@ -108,6 +108,12 @@ def mixed_job(requests: list[dict], max_tokens: int, logprobs: int | None = None
     return dict(kind="mixed", requests=requests, max_tokens=max_tokens, logprobs=logprobs, rescore=rescore)
 
 
+def mixed_streams(outputs: dict, ids) -> dict:
+    """The mixed job's requests ``ids`` as a generate job's result (``tokens``, ``top``, ``rescored`` where the
+    job recorded them), in that order: what :func:`~vllm_bole.testing.lossless.compare_greedy` reads."""
+    return {key: [outputs[i][key] for i in ids] for key in ("tokens", "top", "rescored") if key in outputs[ids[0]]}
+
+
 def soak_job(prompts, seconds: float, *, seed: int = 0, concurrency: int = 24, max_tokens: int = 96) -> dict:
     """Requests arriving at random for ``seconds`` (then drained), at most ``concurrency`` at once:
     half greedy, half sampled, some with penalties or a stop string, some aborted at a random step;
@@ -337,11 +343,18 @@ def _generate(llm, job, done: list) -> dict:
     if job["logprobs"]:
         out["top"] = [_top_rows(o.outputs[0].logprobs) for o in outs]
     if job["rescore"]:
-        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=job["rescore"])
-        full = [dict(prompt_token_ids=list(p) + t) for p, t in zip(job["prompts"], out["tokens"])]
-        again = llm.generate(full, sp, use_tqdm=False)
-        out["rescored"] = [_top_rows(o.prompt_logprobs[len(p):]) for o, p in zip(again, job["prompts"])]
+        out["rescored"] = _rescore(llm, job["prompts"], out["tokens"], job["rescore"])
     return out
+
+
+def _rescore(llm, prompts, streams, k: int) -> list:
+    """Each stream's top-k logprobs per position once more, through the prefill path (its prompt + stream)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
+    again = llm.generate([dict(prompt_token_ids=list(p) + list(t)) for p, t in zip(prompts, streams)], sp,
+                         use_tqdm=False)
+    return [_top_rows(o.prompt_logprobs[len(p):]) for o, p in zip(again, prompts)]
 
 
 def _stream(llm, prompts, params, limit: int):
@@ -409,13 +422,10 @@ def _mixed(llm, job, done: list) -> dict:
         if step > 10_000:
             raise RuntimeError("mixed scenario did not finish")
     if job.get("rescore"):
-        ids = [r["id"] for r in job["requests"] if "top" in outputs.get(r["id"], {})]
-        prompts = {r["id"]: r["prompt"] for r in job["requests"]}
-        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=job["rescore"])
-        again = llm.generate([dict(prompt_token_ids=list(prompts[i]) + outputs[i]["tokens"]) for i in ids], sp,
-                             use_tqdm=False)
-        for i, o in zip(ids, again):
-            outputs[i]["rescored"] = _top_rows(o.prompt_logprobs[len(prompts[i]):])
+        reqs = [r for r in job["requests"] if "top" in outputs.get(r["id"], {})]
+        rescored = _rescore(llm, [r["prompt"] for r in reqs], [outputs[r["id"]]["tokens"] for r in reqs], job["rescore"])
+        for r, rows in zip(reqs, rescored):
+            outputs[r["id"]]["rescored"] = rows
     return dict(outputs=outputs, finished_step=finished, added_step=added_at, steps=step)
 
 
