@@ -190,6 +190,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    prepare_vllm_ms=1000 * st.get("prepare_vllm_s", 0.0) / max(st["steps"], 1),
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    split_tree_steps=st.get("split_tree_steps", 0), mixed_tree_steps=st.get("mixed_tree_steps", 0),
+                   split_piecewise_steps=st.get("split_piecewise_steps", 0),
                    chained_drafts=st.get("chained_drafts", 0),
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                    branch_by_depth=st.get("branch_by_depth"), slow_steps=st.get("slow_steps"),

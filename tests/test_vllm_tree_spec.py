@@ -344,10 +344,11 @@ def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     assert [p for _, _, p in warm["shapes"][-2:]] == [256, 512 - top]  # long-key tiles: plain, then split-K
 
 
-@pytest.mark.parametrize("arch,drafter,budget,concurrency", [
-    ("nemotron_h", "draft_model", BUDGET, None), ("nemotron_h", "ngram", "auto", None),
-    ("qwen3_next", "draft_model", BUDGET, None), ("nemotron_h", "draft_model", BUDGET, 3)])
-def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter, budget, concurrency):
+@pytest.mark.parametrize("arch,drafter,budget,concurrency,fault", [
+    ("nemotron_h", "draft_model", BUDGET, None, None), ("nemotron_h", "ngram", "auto", None, None),
+    ("qwen3_next", "draft_model", BUDGET, None, None), ("nemotron_h", "draft_model", BUDGET, 3, None),
+    ("nemotron_h", "draft_model", BUDGET, 3, "piecewise_padding"), ("qwen3_next", "draft_model", BUDGET, 3, "piecewise_padding")])
+def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter, budget, concurrency, fault):
     """Tree steps through the tree-graph path (``vllm_bole.adapter.tree_graphs``, ``VLLM_BOLE_TREE_GRAPHS=1``;
     on CPU each bucket replays eagerly: the padded static step through the model): every tree step of
     tree requests alone is padded into its bucket (padding requests on the null block and slot 0), the
@@ -356,13 +357,15 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     off) the trees change size and bucket from step to step, and requests without drafts decode as
     root-only trees (so the steps stay trees alone). With at most 3 requests in flight, refilled as they
     finish, prompts land beside running trees: those steps run the prompts' forward first, then the trees
-    from their graph (``split_tree_steps``)."""
+    from their graph (``split_tree_steps``); with ``piecewise_padding`` (``engine_run.FAULTS``) the prompts'
+    forward is padded as vLLM's piecewise graphs pad it, the padding rows holding the trees' tokens."""
     base = engines.run(arch, "base")["greedy"]
     job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch), tree_graphs=True,
                                   concurrency=concurrency)
     r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"},
                               spec=spec_config(drafter, models[arch] if drafter == "draft_model" else None,
-                                               budget=budget, **({"plain_fallback": False} if budget == "auto" else {})))
+                                               budget=budget, **({"plain_fallback": False} if budget == "auto" else {})),
+                              fault=fault)
     ours = r["jobs"][0]
     _check_equal(arch, base, ours)
     st = ours["stats"]
@@ -370,6 +373,7 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
           f"of {st['tree_steps']} tree steps ({st['steps']} steps), {st.get('budget_nodes')} nodes chosen")
     assert ours["tree_graphs"][0] > 0 and st["graph_tree_steps"] >= st["steps"] // 2
     assert (st["split_tree_steps"] >= 2) == (concurrency is not None), st["split_tree_steps"]
+    assert (st["split_padding_rows"] > 0) == (fault is not None), st["split_padding_rows"]
 
 
 @pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])

@@ -142,7 +142,8 @@ class TreeRunnerMixin:
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
-        self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, mixed_tree_steps=0,
+        self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, split_piecewise_steps=0,
+                                split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
                                 chained_drafts=0, accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0,
                                 verify_commit_s=0.0, finish_s=0.0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0)
@@ -445,8 +446,8 @@ class TreeRunnerMixin:
     def _bole_split_forward(self, step, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                             **model_kwargs):
         """A step with plain rows (prompt chunks, plain decodes) beside tree requests as two forwards: the plain
-        rows through the model as vLLM runs them (no tree override; eager, a prompt chunk is compute-bound),
-        then the trees from their bucket's graph (:mod:`~vllm_bole.adapter.tree_graphs`), their tokens moved
+        rows through the model as vLLM runs them (no tree override; from vLLM's piecewise graphs where it
+        captured a size that holds them, :meth:`_bole_plain_graph`, else eagerly), then the trees from their bucket's graph (:mod:`~vllm_bole.adapter.tree_graphs`), their tokens moved
         to the front of vLLM's persistent buffers as a step of trees alone has them. Returns the hidden
         states of the step's ``tok_start + num_tokens`` tokens in vLLM's layout, or None (no bucket holds the
         trees, or inputs the graphs do not take: the one forward with eager tree layers then runs).
@@ -463,12 +464,20 @@ class TreeRunnerMixin:
                 or positions.dim() != 1 or not isinstance(fc.slot_mapping, dict) or graphs.bucket_of(step) is None):
             return None
         s, T = step.tok_start, step.num_tokens
+        mode, desc = self._bole_plain_graph(s)
+        S = desc.num_tokens  # s, or padded to the piecewise graphs' size: the rows after s are not written
+        self._bole_stats["split_piecewise_steps"] += mode != CUDAGraphMode.NONE
+        self._bole_stats["split_padding_rows"] += S - s
+        padded = {}  # KV slots of the padding rows: -1 (vLLM's padding), one tensor per KV-cache group
+        for v in fc.slot_mapping.values():
+            if id(v) not in padded:
+                padded[id(v)] = v[:s] if S == s else torch.cat([v[:s], v.new_full((S - s,), -1)])
         self._bole_active.step = None
         try:
-            with set_forward_context(fc.attn_metadata, self.vllm_config, num_tokens=s,
-                                     cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                     slot_mapping={k: v[:s] for k, v in fc.slot_mapping.items()}):
-                plain = self.model(input_ids=input_ids[:s], positions=positions[:s])
+            with set_forward_context(fc.attn_metadata, self.vllm_config, num_tokens=S, cudagraph_runtime_mode=mode,
+                                     batch_descriptor=desc,
+                                     slot_mapping={k: padded[id(v)] for k, v in fc.slot_mapping.items()}):
+                plain = self.model(input_ids=input_ids[:S], positions=positions[:S])
         finally:
             self._bole_active.step = step
         self.input_ids.gpu[:T] = self.input_ids.gpu[s: s + T].clone()
@@ -477,6 +486,20 @@ class TreeRunnerMixin:
             slots = self.input_batch.block_table[gid].slot_mapping.gpu
             slots[:T] = slots[s: s + T].clone()
         return torch.cat([plain[:s], graphs.replay(self, step)[:T]])
+
+    def _bole_plain_graph(self, num_tokens: int):
+        """vLLM's CUDA-graph mode and batch descriptor for a forward of a split step's ``num_tokens`` plain rows:
+        its piecewise graphs where it captured a size that holds them (the descriptor's ``num_tokens``, padded),
+        else eager. Never a FULL graph (its attention metadata would have to be padded too).
+
+        Decision: until the matrix at ebdbbaa the plain rows ran eagerly, ~10 ms a split step on the H200 for
+        the 70M pair (the forward 1.8 / 4.3 / 6.2 ms a tree step at c = 8 / 32 / 128 with 12-45% of the steps
+        split, against 0.5 ms at c = 1, where none is): launch-bound, where AR runs the same rows from these
+        graphs. Padding rows are vLLM's own: KV slot -1, attention and recurrent metadata of the real rows."""
+        from vllm.config import CUDAGraphMode
+
+        return self.cudagraph_dispatcher.dispatch(num_tokens=num_tokens, uniform_decode=False,
+                                                  invalid_modes={CUDAGraphMode.FULL})
 
     def _sample(self, logits, spec_decode_metadata):
         step = self._bole_step
@@ -588,7 +611,8 @@ class TreeRunnerMixin:
 
     def bole_stats(self) -> dict:
         """Counters (steps, tree steps, ``graph_tree_steps`` those replayed from a whole CUDA graph
-        (``split_tree_steps`` of them beside plain rows, which ran a forward of their own), drafted
+        (``split_tree_steps`` of them beside plain rows, which ran a forward of their own: ``split_piecewise_steps``
+        from vLLM's piecewise graphs, padded by ``split_padding_rows`` rows in all), drafted
         nodes, accepted nodes, ``chained_drafts`` (drafts launched behind a tree step's verification, from
         its tokens on the device); seconds: ``draft_s`` drafting per step (``propose_s`` of it the drafter's
         own, the rest building trees), ``prepare_s`` input preparation per step (host; ``prepare_vllm_s``

@@ -261,7 +261,21 @@ def _fault_pool_reuse() -> None:
     GDNLayer._tree_core, Mamba2Layer._tree_forward = gdn_core, mamba2_forward
 
 
-FAULTS = {"gdn_commit_parent": _fault_gdn_commit_parent, "pool_reuse": _fault_pool_reuse}
+def _fault_piecewise_padding() -> None:
+    """Not a bug: what vLLM's piecewise CUDA graphs do to a split step's plain rows
+    (``TreeRunnerMixin._bole_plain_graph``), on CPU: their forward padded to the next multiple of 64 tokens
+    (the padding rows hold the trees' own tokens in vLLM's buffers, KV slot -1), run eagerly; the outputs
+    must stay non-speculative vLLM's."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from vllm_bole.adapter.runner import TreeRunnerMixin
+
+    TreeRunnerMixin._bole_plain_graph = lambda self, n: (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=n + 64 - n % 64))
+
+
+FAULTS = {"gdn_commit_parent": _fault_gdn_commit_parent, "pool_reuse": _fault_pool_reuse,
+          "piecewise_padding": _fault_piecewise_padding}
 
 
 def _llm(req):
