@@ -294,9 +294,9 @@ stage_tinyprof() {  # host profile of the tree step at batch 1 and 32 (tiny bf16
 }
 
 stage_profile() {  # one engine in-process, cProfile over a tree run against AR: the pair's draft on its target
-    # (TREE_GRAPHS=1: tree steps from whole CUDA graphs, as the e2e rows ran at 198194b)
+    # (TREE_GRAPHS=1: tree steps from whole CUDA graphs, as the e2e rows ran at 198194b; PROFILE_BATCHES, default "1 32")
     project
-    for b in 1 32; do
+    for b in ${PROFILE_BATCHES:-1 32}; do
         VLLM_BOLE_TREE_GRAPHS=${TREE_GRAPHS:-0} timeout 270 python3 benchmarks/device/profile_step.py --model /tmp/pair/nemotron_h --draft /tmp/pair/draft \
             --batch $b --out "$OUT/profile_b$b" > "$OUT/profile_b$b.log" 2>&1
         tail -12 "$OUT/profile_b$b.log" | cut -c1-160
