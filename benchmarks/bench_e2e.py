@@ -43,7 +43,9 @@ other tokens, averaged over the cell's requests), and for ours the split per ste
 step's results to the host, which waits for its forward, and the counters), ``forward_ms`` (the
 target forward of a tree step, GPU time), ``prepare_ms`` (input preparation per step, host;
 ``prepare_vllm_ms`` of it vLLM's own), ``step_ms`` (whole engine step; the rest is vLLM's
-scheduler, sampler and output processing), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
+scheduler, sampler and output processing), ``step_ms_by_kind`` / ``steps_by_kind`` (engine steps of trees
+alone, of trees beside prompt rows (``mixed``) and without trees (``plain``): their mean wall time and count;
+where a cell's steps differ from its steady state), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
 cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
 ``mode, drafter, budget, batch, dataset, temperature, tokens_per_s, accept_len, tpot_ms``, ...) and
@@ -66,6 +68,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vllm_bole.adapter.tree_step import STEP_KINDS  # noqa: E402
 from vllm_bole.testing import engine_run  # noqa: E402
 
 STORE = Path("/tmp/bole_bench")
@@ -191,6 +194,9 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    split_tree_steps=st.get("split_tree_steps", 0), mixed_tree_steps=st.get("mixed_tree_steps", 0),
                    split_piecewise_steps=st.get("split_piecewise_steps", 0),
+                   steps_by_kind={k: st.get(f"timed_{k}_steps", 0) for k in STEP_KINDS},
+                   step_ms_by_kind={k: 1000 * st[f"timed_{k}_steps_s"] / st[f"timed_{k}_steps"] for k in STEP_KINDS
+                                    if st.get(f"timed_{k}_steps")},
                    chained_drafts=st.get("chained_drafts", 0),
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                    branch_by_depth=st.get("branch_by_depth"), slow_steps=st.get("slow_steps"),

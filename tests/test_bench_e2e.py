@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_e2e  # noqa: E402
@@ -141,3 +143,16 @@ def test_a_job_counts_the_controller_choices_it_made():
     got = _stats_delta(before, after)
     assert got["budget_steps"] == 4 and got["budget_buckets"] == {24: 3, 32: 1}
     assert got["controller_model"] == {16: dict(draft_ms=1.5)}
+
+
+def test_a_tree_row_times_its_steps_by_kind():
+    """A tree cell's row: the runner's timed engine steps per kind (trees alone, beside prompt rows, plain)
+    as counts and mean milliseconds; kinds without a timed step have no mean."""
+    st = dict(accepted=30, verified_requests=10, steps=14, tree_steps=12, draft_s=0.1, verify_commit_s=0.01,
+              forward_s=0.02, prepare_s=0.03, drafted_nodes=70, timed_trees_steps=8, timed_trees_steps_s=0.04,
+              timed_mixed_steps=4, timed_mixed_steps_s=0.06, timed_plain_steps=0, timed_plain_steps_s=0.0)
+    res = dict(tokens=[[1] * 20] * 2, generate_s=0.2, times=[[0.0, 0.01, 0.1]] * 2, stats=st, counters={})
+    row = bench_e2e.row_of(dict(mode="bole_tree", drafter="ngram"),
+                           dict(batch=2, dataset="mt_bench", temperature=0.0, budget=8), res)
+    assert row["steps_by_kind"] == {"trees": 8, "mixed": 4, "plain": 0}
+    assert row["step_ms_by_kind"] == pytest.approx({"trees": 5.0, "mixed": 15.0})

@@ -374,6 +374,9 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     assert ours["tree_graphs"][0] > 0 and st["graph_tree_steps"] >= st["steps"] // 2
     assert (st["split_tree_steps"] >= 2) == (concurrency is not None), st["split_tree_steps"]
     assert (st["split_padding_rows"] > 0) == (fault is not None), st["split_padding_rows"]
+    timed = {k: st[f"timed_{k}_steps"] for k in ("trees", "mixed", "plain")}  # engine steps timed by kind
+    assert st["steps"] // 2 <= sum(timed.values()) <= st["steps"] and timed["trees"] > 0, timed
+    assert (timed["mixed"] > 0) == (concurrency is not None) and st["timed_trees_steps_s"] > 0, timed
 
 
 @pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])

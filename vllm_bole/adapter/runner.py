@@ -50,7 +50,7 @@ from vllm_bole.adapter.budget import StepBudget
 from vllm_bole.adapter.layers import RECURRENT_KINDS, AttentionGroup, AttentionLayer
 from vllm_bole.adapter.metrics import WorkerMetrics, snapshot_path
 from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tree, tree_sampling
-from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
+from vllm_bole.adapter.tree_step import STEP_KINDS, ActiveStep, TreeStep
 from vllm_bole.attention.tree_attention import tree_slot_mapping
 from vllm_bole.config import AUTO_ONLY, TreeSpecConfig
 from vllm_bole.dispatch import triton_variants
@@ -70,6 +70,7 @@ DRAFT_KV_BYTES = {True: 4 << 30, False: 256 << 20}  # the paged draft's KV pool 
 # tree steps whose KV slots are checked against vLLM's slot mapping (a device sync each: the first ones
 # check the engine's configuration; the mapping follows from the same block tables afterwards)
 CHECKED_STEPS = 16
+IDLE_GAP_S = 0.05  # from a step's sampled tokens to the next step's input preparation: longer, the engine idled
 SLOW_FORWARD_S = 0.02  # a tree step's forward over this is logged (``slow_steps``): 0.6-1.2 ms from a graph on the H200
 
 
@@ -146,7 +147,12 @@ class TreeRunnerMixin:
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
                                 chained_drafts=0, accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0,
-                                verify_commit_s=0.0, finish_s=0.0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0)
+                                verify_commit_s=0.0, finish_s=0.0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0,
+                                **{f"timed_{k}_steps{u}": z for k in STEP_KINDS for u, z in (("", 0), ("_s", 0.0))})
+        # the engine step under way: its kind (STEP_KINDS), when its input preparation began; when the last one's
+        # sampling ended
+        self._bole_step_kind: str | None = None
+        self._bole_step_t = self._bole_step_end = 0.0
         self._bole_forward_timer: _ForwardTimer | None = None
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
         self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
@@ -363,10 +369,21 @@ class TreeRunnerMixin:
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         t0 = time.perf_counter()
+        self._bole_time_step(t0)
         try:
             return self._bole_prepare_inputs(scheduler_output, num_scheduled_tokens)
         finally:
             self._bole_stats["prepare_s"] += time.perf_counter() - t0
+
+    def _bole_time_step(self, now: float) -> None:
+        """The previous engine step's wall time, from its input preparation to this one's (the engine's
+        scheduling and output processing between them included), into its kind's counters (``trees``:
+        trees alone; ``mixed``: trees beside prompt or plain rows; ``plain``: no trees), unless the engine
+        idled after it (over IDLE_GAP_S from its sampled tokens to this step)."""
+        kind, t, self._bole_step_kind, self._bole_step_t = self._bole_step_kind, self._bole_step_t, None, now
+        if kind is not None and now - self._bole_step_end <= IDLE_GAP_S:
+            self._bole_stats[f"timed_{kind}_steps"] += 1
+            self._bole_stats[f"timed_{kind}_steps_s"] += now - t
 
     def _bole_prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self._bole_budget is not None:
@@ -378,6 +395,7 @@ class TreeRunnerMixin:
         self._bole_install_layers()
         self._bole_stats["steps"] += 1
         step, pos, tree_logits = self._bole_build_step(scheduler_output, num_scheduled_tokens)
+        self._bole_step_kind = "plain" if step is None else "trees" if step.num_plain == 0 else "mixed"
         self._bole_flush_pending(exclude=set(step.req_ids) if step is not None else set())
         self._bole_step = step
         plain = step.num_plain if step is not None else self.input_batch.num_reqs
@@ -602,6 +620,7 @@ class TreeRunnerMixin:
         if state is not None and not self._bole_launched:
             self._bole_propose(state.sample_hidden_states)
         self._bole_launched = False
+        self._bole_step_end = time.perf_counter()
         return out
 
     def take_draft_token_ids(self):
@@ -612,7 +631,8 @@ class TreeRunnerMixin:
     def bole_stats(self) -> dict:
         """Counters (steps, tree steps, ``graph_tree_steps`` those replayed from a whole CUDA graph
         (``split_tree_steps`` of them beside plain rows, which ran a forward of their own: ``split_piecewise_steps``
-        from vLLM's piecewise graphs, padded by ``split_padding_rows`` rows in all), drafted
+        from vLLM's piecewise graphs, padded by ``split_padding_rows`` rows in all), ``timed_{kind}_steps`` and
+        ``timed_{kind}_steps_s`` (engine steps and their wall time by kind: ``_bole_time_step``), drafted
         nodes, accepted nodes, ``chained_drafts`` (drafts launched behind a tree step's verification, from
         its tokens on the device); seconds: ``draft_s`` drafting per step (``propose_s`` of it the drafter's
         own, the rest building trees), ``prepare_s`` input preparation per step (host; ``prepare_vllm_s``

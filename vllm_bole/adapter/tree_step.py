@@ -17,6 +17,9 @@ import torch
 
 from vllm_bole.spec_decode.tree import TreeBatch
 
+# engine steps the runner times apart: trees alone, trees beside prompt or plain rows, no trees
+STEP_KINDS = ("trees", "mixed", "plain")
+
 
 @dataclass
 class TreeStep:
