@@ -406,7 +406,9 @@ def controller_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 def _line(r: dict) -> str:
     return (f"{r['mode']:10s} {r['drafter']:11s} b={r.get('budget')!s:5s} c={r.get('batch')!s:4s} "
             f"{r.get('dataset', ''):9s} T={r.get('temperature', '')!s:4s} {r.get('tokens_per_s', 0):9.1f} tok/s "
-            f"acc={r.get('accept_len') or 0:.2f} tpot={r.get('tpot_ms', 0):.2f}ms {r.get('error', '')[-300:]}")
+            f"acc={r.get('accept_len') or 0:.2f} tpot={r.get('tpot_ms', 0):.2f}ms "
+            + "".join(f"{k}={ms:.1f}ms/{r['steps_by_kind'][k]} " for k, ms in (r.get("step_ms_by_kind") or {}).items())
+            + r.get("error", "")[-300:])
 
 
 def _header(args) -> dict:
