@@ -344,11 +344,28 @@ def test_warm_up_steps_leave_outputs_unchanged(engines, models):
     assert [p for _, _, p in warm["shapes"][-2:]] == [256, 512 - top]  # long-key tiles: plain, then split-K
 
 
+def _perturbed_copy(src, dst, scale: float = 0.3, seed: int = 0):
+    """A copy of checkpoint ``src`` in ``dst`` whose every weight has Gaussian noise of ``scale`` times its own
+    standard deviation added (seeded): a draft that agrees with its target often, not always."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(str(dst / "model.safetensors"))
+    save_file({k: w + scale * w.float().std().nan_to_num() * torch.randn(w.shape, generator=g).to(w.dtype)
+               if w.numel() > 1 else w for k, w in weights.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
 @pytest.mark.parametrize("arch,drafter,budget,concurrency,fault", [
     ("nemotron_h", "draft_model", BUDGET, None, None), ("nemotron_h", "ngram", "auto", None, None),
     ("qwen3_next", "draft_model", BUDGET, None, None), ("nemotron_h", "draft_model", BUDGET, 3, None),
-    ("nemotron_h", "draft_model", BUDGET, 3, "piecewise_padding"), ("qwen3_next", "draft_model", BUDGET, 3, "piecewise_padding")])
-def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter, budget, concurrency, fault):
+    ("nemotron_h", "draft_model", BUDGET, 3, "piecewise_padding"), ("qwen3_next", "draft_model", BUDGET, 3, "piecewise_padding"),
+    ("llama", "perturbed", BUDGET, 3, None)])
+def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter, budget, concurrency, fault, tmp_path):
     """Tree steps through the tree-graph path (``vllm_bole.adapter.tree_graphs``, ``VLLM_BOLE_TREE_GRAPHS=1``;
     on CPU each bucket replays eagerly: the padded static step through the model): every tree step of
     tree requests alone is padded into its bucket (padding requests on the null block and slot 0), the
@@ -357,13 +374,18 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     off) the trees change size and bucket from step to step, and requests without drafts decode as
     root-only trees (so the steps stay trees alone). With at most 3 requests in flight, refilled as they
     finish, prompts land beside running trees: those steps run the prompts' forward first, then the trees
-    from their graph (``split_tree_steps``); with ``piecewise_padding`` (``engine_run.FAULTS``) the prompts'
+    from their graph (``split_tree_steps``), and the paged draft (Llama) launches every tree step's drafts behind
+    its verification, the prompts' rows with their sampled tokens (``chained_drafts``; its draft a perturbed copy
+    of itself, which accepts part of each tree, so that the requests fall out of step and prompts land beside
+    trees); with ``piecewise_padding`` (``engine_run.FAULTS``) the prompts'
     forward is padded as vLLM's piecewise graphs pad it, the padding rows holding the trees' tokens."""
     base = engines.run(arch, "base")["greedy"]
     job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch), tree_graphs=True,
                                   concurrency=concurrency)
+    draft = (models[arch] if drafter == "draft_model" else _perturbed_copy(models[arch], tmp_path / "draft")
+             if drafter == "perturbed" else None)
     r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"},
-                              spec=spec_config(drafter, models[arch] if drafter == "draft_model" else None,
+                              spec=spec_config("ngram" if draft is None else "draft_model", draft,
                                                budget=budget, **({"plain_fallback": False} if budget == "auto" else {})),
                               fault=fault)
     ours = r["jobs"][0]
@@ -377,6 +399,8 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     timed = {k: st[f"timed_{k}_steps"] for k in ("trees", "mixed", "plain")}  # engine steps timed by kind
     assert st["steps"] // 2 <= sum(timed.values()) <= st["steps"] and timed["trees"] > 0, timed
     assert (timed["mixed"] > 0) == (concurrency is not None) and st["timed_trees_steps_s"] > 0, timed
+    if arch == "llama":
+        assert st["chained_drafts"] == st["tree_steps"] and st["accepted"] > 0, (st["chained_drafts"], st["accepted"])
 
 
 @pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])

@@ -560,11 +560,15 @@ class TreeRunnerMixin:
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
         fetch = res.to_host_async()  # the step's results, copied to the host behind its commit
         launch_s = 0.0  # drafting (draft_s), not this step's finish or its measured time
-        if P == 0 and hasattr(self._bole_drafter, "grow_trees_async") and not self.discard_request_mask.np[
-                : self.input_batch.num_reqs].any():  # the next drafts behind it, from its tokens on the device
+        if hasattr(self._bole_drafter, "grow_trees_async"):  # the next drafts behind it, from its tokens on the device
             self._bole_launched = True
             self._bole_stats["chained_drafts"] += 1
-            self._bole_propose(None, pending=(res.output_token_ids, res.num_emitted))
+            tokens, counts = res.output_token_ids, res.num_emitted
+            if P:  # the plain rows' sampled tokens first (a prompt chunk's row that samples nothing is not drafted)
+                head = torch.full((P, tokens.shape[1]), -1, dtype=tokens.dtype, device=tokens.device)
+                head[:, 0] = plain.sampled_token_ids[:P, 0]
+                tokens, counts = torch.cat([head, tokens]), torch.cat([torch.ones_like(counts[:1]).expand(P), counts])
+            self._bole_propose(None, pending=(tokens, counts), plain=P)
             launch_s = time.perf_counter() - t1
             t1 += launch_s
         host = fetch()  # the forward has run
@@ -760,14 +764,15 @@ class TreeRunnerMixin:
                 layer.drop(slot)
 
     # ------------------------------------------------------------------ drafting
-    def _bole_propose(self, hidden: torch.Tensor | None, pending=None) -> None:
+    def _bole_propose(self, hidden: torch.Tensor | None, pending=None, plain: int = 0) -> None:
         """Launch the next trees' drafting (read by :meth:`_bole_finish_draft`); ``hidden``: the step's sample
-        hidden states (rows as its logits). ``pending`` (a step of trees alone, the paged draft: from
-        :meth:`_sample`, before the host has read the verification): its output tokens ``[B, W]`` and
-        counts ``[B]`` on the device, which the draft appends to the histories there (on CUDA on a stream of
-        its own, so that vLLM's reading of the sampled tokens does not wait for the draft); the histories
-        are then the requests' tokens up to this step's roots, and depths are capped as if every request
-        had accepted ``W`` tokens (only near ``max_model_len``)."""
+        hidden states (rows as its logits). ``pending`` (the paged draft, from :meth:`_sample` before the host
+        has read the verification): the step's output tokens ``[B, W]`` and counts ``[B]`` on the device
+        (its first ``plain`` rows vLLM's sampled token each), which the draft appends to the histories there
+        (on CUDA on a stream of its own, so that vLLM's reading of the sampled tokens does not wait for the
+        draft); the histories are then what the step fed up to each root (a tree: its root; a plain row: its
+        last scheduled token; a prompt chunk that samples nothing is not drafted), and depths are capped as
+        if every request had accepted ``W`` tokens (only near ``max_model_len``)."""
         t0 = time.perf_counter()
         cfg = self.bole_config
         ib = self.input_batch
@@ -798,7 +803,10 @@ class TreeRunnerMixin:
                 hists.append([])
                 depths.append(0)
                 continue
-            num = int(ib.num_computed_tokens_cpu[i]) + 1 if pending is not None else int(ib.num_tokens_no_spec[i])
+            num = int(ib.num_tokens_no_spec[i])
+            if pending is not None:  # what the step fed up to the root: a tree's root, a plain row's last token
+                qsl = self.query_start_loc.np
+                num = int(ib.num_computed_tokens_cpu[i]) + (int(qsl[i + 1] - qsl[i]) if i < plain else 1)
             hist = ib.token_ids_cpu[i, :num]  # a view: drafters copy what they keep
             roots.append(int(hist[-1]))
             hists.append(hist)
