@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=1, help="waves x batch requests, at most batch in flight, each "
+                    "stopping at its own length (--tokens minus up to a quarter): requests refilled as others "
+                    "finish, so prompts land beside running trees (split steps)")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--dtype", help="default: the checkpoint's own dtype (vLLM's 'auto' would run fp32 ones in bf16)")
     ap.add_argument("--mode", action="append", choices=("ar", "bole_tree"), help="default: both")
@@ -83,14 +86,16 @@ def main() -> None:
     dtype = args.dtype or config.get("dtype") or config.get("torch_dtype") or "auto"
     g = torch.Generator().manual_seed(0)
     prompts = [dict(prompt_token_ids=torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist())
-               for _ in range(args.batch)]
-    sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    result = dict(model=args.model, draft=args.draft, budget=budget, depth=args.depth, batch=args.batch,
+               for _ in range(args.batch * args.waves)]
+    sp = [SamplingParams(temperature=0.0, max_tokens=args.tokens - (i * 7) % (args.tokens // 4 + 1), ignore_eos=True)
+          for i in range(len(prompts))] if args.waves > 1 else SamplingParams(temperature=0.0, max_tokens=args.tokens,
+                                                                              ignore_eos=True)
+    result = dict(model=args.model, draft=args.draft, budget=budget, depth=args.depth, batch=args.batch, waves=args.waves,
                   dtype=dtype, tokens=args.tokens, eager=args.eager, device=torch.cuda.get_device_name() if gpu else "cpu",
                   modes={})
     for mode in args.mode or ("ar", "bole_tree"):
         kw = dict(model=args.model, dtype=dtype, max_model_len=args.prompt_len + args.tokens + 64, enforce_eager=args.eager,
-                  max_num_seqs=max(args.batch, 8), seed=0, enable_prefix_caching=False,
+                  max_num_seqs=args.batch if args.waves > 1 else max(args.batch, 8), seed=0, enable_prefix_caching=False,
                   gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format)
         if gpu:  # the H200 bundle has no FlashAttention 3
             kw["attention_backend"] = "TRITON_ATTN"
@@ -116,8 +121,12 @@ def main() -> None:
             prof.disable()
             row["bole_stats"] = {k: (st[k] - stats0[k]) for k in ("steps", "tree_steps", "graph_tree_steps", "draft_s",
                                                                      "verify_commit_s", "prepare_s", "forward_s",
-                                                                     "accepted", "verified_requests", "drafted_nodes")}
-            row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["tree_steps"], 1) / args.batch, 3)
+                                                                     "accepted", "verified_requests", "drafted_nodes",
+                                                                     "split_tree_steps", "split_piecewise_steps",
+                                                                     "chained_drafts", "timed_trees_steps",
+                                                                     "timed_trees_steps_s", "timed_mixed_steps",
+                                                                     "timed_mixed_steps_s")}
+            row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["verified_requests"], 1), 3)
             ps = pstats.Stats(prof)
             row["top_cumulative"] = _rows(ps, "cum_s", 60)
             row["top_own"] = _rows(ps, "own_s", 40)

@@ -264,11 +264,13 @@ stage_smoke() {  # the tree step and the paged draft (CUDA graphs) on tiny fp32 
 }
 
 stage_graphs() {  # the smoke with tree steps from whole CUDA graphs (VLLM_BOLE_TREE_GRAPHS=1, opt-in): identical?
-    # (450 s: on a cold machine the engine alone took 3.5 minutes to start on 2026-12-03)
+    # (450 s: on a cold machine the engine alone took 3.5 minutes to start on 2026-12-03); two waves of 4 requests
+    # of different lengths, refilled: prompts land beside trees (split steps: their piecewise forward, chained drafts)
     project
     VLLM_BOLE_TREE_GRAPHS=1 TRITON_F32_DEFAULT=ieee timeout 450 python3 benchmarks/device/profile_step.py \
-        --model /tmp/tiny/nemotron_h --draft /tmp/tiny/llama --batch 4 --out "$OUT/graphs" > "$OUT/graphs.log" 2>&1
+        --model /tmp/tiny/nemotron_h --draft /tmp/tiny/llama --batch 4 --waves 2 --out "$OUT/graphs" > "$OUT/graphs.log" 2>&1
     grep -i "graphs captured\|capturing the tree-step" "$OUT/graphs.log" | cut -c1-200
+    grep "bole_tree: speedup" "$OUT/graphs.log" | cut -c1-700  # split_tree_steps, split_piecewise_steps, chained_drafts
     tail -12 "$OUT/graphs.log" | cut -c1-160
     grep -q '"identical": true' "$OUT/graphs/profile_step.json"
 }
