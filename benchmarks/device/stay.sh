@@ -150,9 +150,10 @@
 # `kernelspeed` (issue 14's SSD and tree-attention numbers since the envelope rework, no vLLM, ~5 min).
 # Added in the sixteenth session (no machine lent; 8c6b011): the matrix now tells what a step with prompts beside
 # trees costs (rows' `step_ms_by_kind` / `steps_by_kind`: trees, mixed, plain), those steps' prompt rows run from
-# vLLM's piecewise graphs (`split_piecewise_steps` must be > 0 at c >= 8; if that path fails on the GPU, the
-# `graphs` smoke shows it first: run `graphs` right after `install` then) and their drafts are launched behind the
-# verification (`chained_drafts` = `tree_steps`). Then, before `costprof`: TREE_GRAPHS=1 PROFILE_BATCHES=128
+# vLLM's piecewise graphs (`split_piecewise_steps` must be > 0 at c >= 8) and their drafts are launched behind the
+# verification (`chained_drafts` = `tree_steps`); the `graphs` smoke now has split steps (`--waves 2`) and shows a
+# failure of that path first: run it before the matrix, with the first pieces (`parts graphs`, carrying pieces
+# 00-02 + pair.sha256 + .pair/tiny: ~60 of the 64 MiB). Then, before `costprof`: TREE_GRAPHS=1 PROFILE_BATCHES=128
 # `profile` (the pair at batch 128 in lockstep, ~4 min: the steady tree step's split at c = 128).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
