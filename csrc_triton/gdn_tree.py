@@ -59,12 +59,13 @@ def _load_qk(ptr, rows, row_mask, hk, Hk: tl.constexpr, K: tl.constexpr, USE_L2N
 @triton.jit
 def gdn_commit_kernel(
     state, state_idx, s_slot, s_h, s_k, s_v,  # state[slot, h, k, v] through strides; state_idx [B]
-    pk, pv, pg, pbeta, plen, P,  # pending path: [S, P, Hk, K], [S, P, Hv, V], [S, P, Hv] x2, [S]
+    pk, pv, pg, pbeta, plen, pidx, P,  # pending path: [R, P, Hk, K], [R, P, Hv, V], [R, P, Hv] x2, [R]; rows [B]
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, CP: tl.constexpr, STEPS: tl.constexpr, USE_L2NORM: tl.constexpr,
 ):
     b, h, hk, slot = program_head(state_idx, Hv, Hk)
-    m = tl.load(plen + slot)
+    row = tl.load(pidx + b).to(tl.int64)
+    m = tl.load(plen + row)
     if m > 0:
         o_k = tl.arange(0, K)
         o_v = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -74,7 +75,7 @@ def gdn_commit_kernel(
         for c0 in range(0, m, CP):
             o_p = c0 + o_c
             pm = o_p < m
-            prow = slot * P + o_p
+            prow = row * P + o_p
             kp = _load_qk(pk, prow, pm, hk, Hk, K, USE_L2NORM)
             gp = tl.load(pg + prow * Hv + h, mask=pm, other=0.0).to(tl.float32)
             bp = tl.load(pbeta + prow * Hv + h, mask=pm, other=0.0).to(tl.float32)
@@ -191,7 +192,7 @@ def _pow2_divisor(x: int, cap: int) -> int:
     return d
 
 
-def gdn_commit(state, state_idx, pending, use_qk_l2norm, *, block_v=None, block_c=None, num_warps=4):
+def gdn_commit(state, state_idx, pending, use_qk_l2norm, pending_idx=None, *, block_v=None, block_c=None, num_warps=4):
     """Launch ``gdn_commit_kernel`` (arguments as ``vllm_bole.gdn.gdn_commit_pending``).
     Defaults: BV = 64 (32 when K = 256), chunks of CP = 32 tokens (16 for paths of <= 16).
     """
@@ -202,7 +203,8 @@ def gdn_commit(state, state_idx, pending, use_qk_l2norm, *, block_v=None, block_
     CP = block_c or min(32, max(16, triton.next_power_of_2(P)))
     gdn_commit_kernel[(B * Hv, V // BV)](
         state, state_idx, *state.stride(),
-        pending.k, pending.v, pending.g, pending.beta, pending.length, P,
+        pending.k, pending.v, pending.g, pending.beta, pending.length,
+        state_idx if pending_idx is None else pending_idx, P,
         Hk=pending.k.shape[2], Hv=Hv, K=K, V=V, BV=BV, CP=CP, STEPS=squarings(min(CP, P)),
         USE_L2NORM=use_qk_l2norm, num_warps=num_warps, num_stages=1,
     )

@@ -66,7 +66,7 @@ def mamba1_tree_step_kernel(
     cu_nodes, parent, depth, path, W,  # [B + 1]; parent [T] local (-1: the root); depth [T]; path [T, W] int32
     A, D, dt_bias,  # [Dn, N] fp32; [Dn] fp32 (dummies when absent)
     state, state_idx, s_slot, s_d, s_n,  # state[slot, d, n] through strides; state_idx [B]
-    px, pdt, pB, plen, L,  # pending path: [S, L, Dn], [S, L, Dn], [S, L, N], [S]
+    px, pdt, pB, plen, pidx, L,  # pending path: [R, L, Dn], [R, L, Dn], [R, L, N], [R]; its rows [B]
     Dn, N: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
     HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
@@ -86,10 +86,11 @@ def mamba1_tree_step_kernel(
     S = tl.load(s_ptr, mask=s_mask, other=0.0).to(tl.float32)  # [BD, BN]
 
     if HAS_PENDING:
-        m = tl.load(plen + slot)
+        row = tl.load(pidx + b).to(tl.int64)
+        m = tl.load(plen + row)
         if m > 0:
             for j in range(0, m):
-                prow = slot * L + j
+                prow = row * L + j
                 dtp = _dt_eff(tl.load(pdt + prow * Dn + o_d, mask=dm, other=0.0), bias, HAS_DT_BIAS, DT_SOFTPLUS)
                 xp = tl.load(px + prow * Dn + o_d, mask=dm, other=0.0).to(tl.float32)
                 Bp = tl.load(pB + prow * N + o_n, mask=nm, other=0.0).to(tl.float32)
@@ -127,8 +128,8 @@ def mamba1_tree_step_kernel(
                     tl.store(y + i * Dn + o_d, out.to(y.dtype.element_ty), mask=dm)
 
 
-def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out=None, *,
-                     tile=TILE, num_warps=NUM_WARPS, path_groups=None):
+def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out=None,
+                     pending_idx=None, *, tile=TILE, num_warps=NUM_WARPS, path_groups=None):
     """Launch ``mamba1_tree_step_kernel``; arguments as ``vllm_bole.mamba.mamba1_tree.mamba1_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone. Returns y [T, Dn]
@@ -164,12 +165,13 @@ def mamba1_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_b
         path_groups = auto_path_groups(nB, triton.cdiv(Dn, BD))
     if pending is not None and tree is not None and path_groups > 1:
         mamba1_tree_step(None, None, A, None, None, None, state, state_idx, pending, D, None, dt_bias, dt_softplus,
-                         tile=tile, num_warps=num_warps)
+                         pending_idx=pending_idx, tile=tile, num_warps=num_warps)
         pending = None
     if pending is not None:
-        pend_args = (pending.x, pending.dt, pending.B, pending.length, pending.max_len)
+        pend_args = (pending.x, pending.dt, pending.B, pending.length,
+                     state_idx if pending_idx is None else pending_idx, pending.max_len)
     else:
-        pend_args = (state, state, state, state_idx, 0)
+        pend_args = (state, state, state, state_idx, state_idx, 0)
     G = path_groups if tree is not None else 1
     mamba1_tree_step_kernel[(nB, triton.cdiv(Dn, BD), G)](
         *tree_args,

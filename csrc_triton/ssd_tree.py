@@ -117,7 +117,7 @@ def ssd_tree_step_kernel(
     cu_nodes, anc_mask, T,  # [B + 1] int32, [T, MW] int32, T
     A, D, dt_bias, dt_lo, dt_hi,  # [H] fp32 (D, dt_bias: dummies when absent), dt clamp
     state, state_idx, s_slot, s_h, s_p, s_n,  # state[slot, h, p, n] through strides; state_idx [B]
-    px, pdt, pB, plen, L,  # pending path: [S, L, H, P], [S, L, H], [S, L, G, N], [S]
+    px, pdt, pB, plen, pidx, L,  # pending path: [R, L, H, P], [R, L, H], [R, L, G, N], [R]; its rows [B]
     H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BR: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, MW: tl.constexpr, MULTI: tl.constexpr,
     HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -141,13 +141,14 @@ def ssd_tree_step_kernel(
         S = tl.load(s_ptr, mask=s_mask, other=0.0).to(tl.float32)
 
     if HAS_PENDING:
-        m = tl.load(plen + slot)
+        row = tl.load(pidx + b).to(tl.int64)
+        m = tl.load(plen + row)
         if m > 0:
             o_c = tl.arange(0, CP)
             for c0 in range(0, m, CP):  # the path in chunks of CP tokens, each from the state after the last
                 o_j = c0 + o_c
                 jm = o_j < m
-                prow = slot * L + o_j
+                prow = row * L + o_j
                 dtp = _dt_eff(tl.load(pdt + prow * H + h, mask=jm, other=0.0), bias_h, dt_lo, dt_hi, HAS_DT_BIAS, DT_SOFTPLUS)
                 dtp = tl.where(jm, dtp, 0.0)
                 Gp = tl.cumsum(dtp * A_h, axis=0)
@@ -180,7 +181,7 @@ def ssd_tree_step_kernel(
 
 
 def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out=None,
-                  *, block_p=None, block_r=None, num_warps=None, num_stages=1, lowp=None):
+                  pending_idx=None, *, block_p=None, block_r=None, num_warps=None, num_stages=1, lowp=None):
     """Launch ``ssd_tree_step_kernel``; arguments as ``vllm_bole.mamba.ssd_tree.ssd_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
@@ -222,10 +223,11 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
     if pending is not None:
         Lmax = pending.max_len
         CP = min(32, max(16, triton.next_power_of_2(Lmax)))
-        pend_args = (pending.x, pending.dt, pending.B, pending.length, Lmax)
+        pend_args = (pending.x, pending.dt, pending.B, pending.length,
+                     state_idx if pending_idx is None else pending_idx, Lmax)
     else:
         CP = 16
-        pend_args = (state, state, state, state_idx, 0)
+        pend_args = (state, state, state, state_idx, state_idx, 0)
     if lowp is None:
         lowp = tree is not None and x.element_size() == 2
     ssd_tree_step_kernel[(nB * H, n_pt)](

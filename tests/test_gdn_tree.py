@@ -58,7 +58,8 @@ def test_step_commits_previous_path_then_verifies(kernels, shape, reset):
     """Two steps: verify tree 1, accept a random root-to-node path per request, then one step
     commits it and verifies tree 2 (Triton: two launches); compare
     outputs and the final states with the oracle. ``reset=False`` (the engine's call: its stash
-    sets the lengths next) leaves the pending lengths as they were."""
+    sets the lengths next) leaves the pending lengths as they were; those cases also keep the paths in
+    rows of their own (``pending_idx``) instead of at the state slots."""
     gen = torch.Generator().manual_seed(hash((kernels, shape, "step")) % 2**31)
     tree1 = make_tree_shape(shape, seed=int(torch.randint(1000, (1,), generator=gen)))
     B = tree1.num_requests
@@ -67,26 +68,28 @@ def test_step_commits_previous_path_then_verifies(kernels, shape, reset):
     slots = torch.randperm(S_total, generator=gen)[:B].to(torch.int32)
     untouched = [s for s in range(S_total) if s not in slots.tolist()]
     q, k, v, g, beta = _inputs(tree1.num_nodes, gen)
-    pending = PendingPath.empty(S_total, 17, Hk, Hv, K, V, dtype=torch.float32)
+    rows = slots if reset else torch.randperm(B + 1, generator=gen)[:B].to(torch.int32)
+    pending = PendingPath.empty(S_total if reset else B + 1, 17, Hk, Hv, K, V, dtype=torch.float32)
     pending.k.fill_(float("nan"))  # rows past each path's length must never be read
     S0 = cache[slots.long()].clone()
     _, st_ref = gdn_tree_reference(tree1, q, k, v, g, beta, S0)
-    gdn_tree_step(q, k, v, g, beta, tree1, cache, slots, pending, kernels=kernels)
+    gdn_tree_step(q, k, v, g, beta, tree1, cache, slots, pending, kernels=kernels, pending_idx=rows)
     accepted, last = random_accepted_paths(tree1, 17, gen)
-    stash_accepted_path(pending, slots, tree1, accepted, k, v, g, beta, kernels=kernels)
-    assert pending.length[slots.long()].tolist() == (accepted >= 0).sum(1).tolist()
+    stash_accepted_path(pending, rows, tree1, accepted, k, v, g, beta, kernels=kernels)
+    assert pending.length[rows.long()].tolist() == (accepted >= 0).sum(1).tolist()
     S1 = st_ref[last]
     # step 2 on a new tree: commit + verify in one call
     tree2 = random_tree_batch([int(torch.randint(1, 20, (1,), generator=gen)) for _ in range(B)], generator=gen)
     q2, k2, v2, g2, beta2 = _inputs(tree2.num_nodes, gen)
     before_untouched = cache[untouched].clone()
     lengths = pending.length.clone()
-    o2 = gdn_tree_step(q2, k2, v2, g2, beta2, tree2, cache, slots, pending, kernels=kernels, reset_pending=reset)
+    o2 = gdn_tree_step(q2, k2, v2, g2, beta2, tree2, cache, slots, pending, kernels=kernels, reset_pending=reset,
+                       pending_idx=rows)
     o2_ref, _ = gdn_tree_reference(tree2, q2, k2, v2, g2, beta2, S1)
     assert rel_err(cache[slots.long()], S1) < 1e-4
     assert rel_err(o2, o2_ref) < 1e-4
     assert torch.equal(cache[untouched], before_untouched), "slots of other requests must stay bit-identical"
-    assert torch.equal(pending.length, lengths.index_fill(0, slots.long(), 0) if reset else lengths)
+    assert torch.equal(pending.length, lengths.index_fill(0, rows.long(), 0) if reset else lengths)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -5,7 +5,8 @@ on-chip block to a blocked forward substitution past 64 nodes (32 at K = 256 or 
 and pending paths longer than 32 tokens commit in chunks. Each case: fresh random inputs, outputs
 poisoned (NaN) before the call, one unused state slot holding NaN (it must stay NaN), verify
 against the float64 sequential oracle, then stash each request's deepest path and commit it
-(``depth + 1`` tokens, up to 65), against the oracle's state at that node. Both implementations:
+(``depth + 1`` tokens, up to 65; the paths in pending-buffer rows other than the state slots, read
+through ``pending_idx``), against the oracle's state at that node. Both implementations:
 the torch twin and the Triton kernels (interpreter on CPU, fp32 exact there: bound 1e-4). Head
 counts stay small so each case takes a few seconds in the interpreter.
 """
@@ -47,6 +48,12 @@ def _slot_cache(B, row, dtype, gen):
     return cache, slots, unused
 
 
+def _pending_rows(B, gen):
+    """Each request's row of its pending-path buffer ([B + 1] rows), drawn apart from its state slot: the
+    kernels must read a path through ``pending_idx``, not the state slot."""
+    return torch.randperm(B + 1, generator=gen)[:B].to(torch.int32)
+
+
 def _errors(out, out_ref, state, slots, unused, states_ref, last):
     assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
     assert torch.isnan(state[unused]).all(), "an unused slot was written"
@@ -72,11 +79,11 @@ def _gdn_case(tree, kernels, Hk=1, Hv=1, K=64, V=64, dtype=torch.float32, state_
     g, beta = -torch.rand(T, Hv, generator=gen) * 0.3, torch.rand(T, Hv, generator=gen)
     state, slots, unused = _slot_cache(B, (Hv, K, V), state_dtype, gen)
     ref = gdn_tree_reference(tree, q, k, v, g, beta, state[slots.long()])
-    pending = gdn.PendingPath.empty(B + 1, tree.max_depth + 1, Hk, Hv, K, V, dtype=dtype)
+    pending, rows = gdn.PendingPath.empty(B + 1, tree.max_depth + 1, Hk, Hv, K, V, dtype=dtype), _pending_rows(B, gen)
 
     def commit(acc):
-        gdn.stash_accepted_path(pending, slots, tree, acc, k, v, g, beta, kernels=kernels)
-        gdn.gdn_commit_pending(state, slots, pending, kernels=kernels)
+        gdn.stash_accepted_path(pending, rows, tree, acc, k, v, g, beta, kernels=kernels)
+        gdn.gdn_commit_pending(state, slots, pending, kernels=kernels, pending_idx=rows)
 
     errs = _verify_and_commit(
         tree, torch.full((T, Hv, V), float("nan"), dtype=dtype),
@@ -138,12 +145,12 @@ def _ssd_case(tree, kernels, H=2, G=1, P=32, N=16, dtype=torch.float32, state_dt
     kw = dict(D=r(H), dt_bias=r(H) * 0.3, dt_limit=(0.0, 2.0))
     state, slots, unused = _slot_cache(B, (H, P, N), state_dtype, gen)
     ref = ssd_tree_reference(tree, x, dt, A, Bm, Cm, state[slots.long()], **kw)
-    pending = ssd_tree.PendingPath.empty(B + 1, tree.max_depth + 1, H, G, P, N, dtype=dtype)
+    pending, rows = ssd_tree.PendingPath.empty(B + 1, tree.max_depth + 1, H, G, P, N, dtype=dtype), _pending_rows(B, gen)
 
     def commit(acc):
-        ssd_tree.stash_accepted_path(pending, slots, tree, acc, x, dt, Bm, kernels=kernels)
+        ssd_tree.stash_accepted_path(pending, rows, tree, acc, x, dt, Bm, kernels=kernels)
         ssd_tree.ssd_commit_pending(state, slots, pending, A, dt_bias=kw["dt_bias"], dt_limit=kw["dt_limit"],
-                                    kernels=kernels)
+                                    kernels=kernels, pending_idx=rows)
 
     return _verify_and_commit(
         tree, torch.full((T, H, P), float("nan"), dtype=dtype),
@@ -199,11 +206,12 @@ def _mamba1_case(tree, kernels, Dn=24, N=16, dtype=torch.float32, state_dtype=to
     kw = dict(D=r(Dn), dt_bias=r(Dn) * 0.3, z=r(T, Dn).to(dtype) if gate else None)
     state, slots, unused = _slot_cache(B, (Dn, N), state_dtype, gen)
     ref = mamba1_tree_reference(tree, x, dt, A, Bm, Cm, state[slots.long()], **kw)
-    pending = mamba1_tree.PendingPath.empty(B + 1, tree.max_depth + 1, Dn, N, dtype=dtype)
+    pending, rows = mamba1_tree.PendingPath.empty(B + 1, tree.max_depth + 1, Dn, N, dtype=dtype), _pending_rows(B, gen)
 
     def commit(acc):
-        mamba1_tree.stash_accepted_path(pending, slots, tree, acc, x, dt, Bm, kernels=kernels)
-        mamba1_tree.mamba1_commit_pending(state, slots, pending, A, dt_bias=kw["dt_bias"], kernels=kernels)
+        mamba1_tree.stash_accepted_path(pending, rows, tree, acc, x, dt, Bm, kernels=kernels)
+        mamba1_tree.mamba1_commit_pending(state, slots, pending, A, dt_bias=kw["dt_bias"], kernels=kernels,
+                                          pending_idx=rows)
 
     return _verify_and_commit(
         tree, torch.full((T, Dn), float("nan"), dtype=dtype),

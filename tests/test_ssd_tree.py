@@ -90,7 +90,9 @@ def test_verify_matches_oracle(kernels, shape):
 @pytest.mark.parametrize("shape", ["chains_batch", "deep16", "ragged", "random"])
 def test_step_commits_previous_path_then_verifies(kernels, shape):
     """Two steps: verify tree 1, accept a random root-to-node path per request, then the fused
-    step commits it and verifies tree 2; compare outputs and the final states with the oracle."""
+    step commits it and verifies tree 2; compare outputs and the final states with the oracle. The
+    ragged and random shapes keep the paths in rows of their own (``pending_idx``), the others at the
+    state slots."""
     variant = _variant(shape)
     G = VARIANTS[variant][0]
     gen = torch.Generator().manual_seed(_seed(kernels, shape, "step"))
@@ -101,26 +103,29 @@ def test_step_commits_previous_path_then_verifies(kernels, shape):
     slots = torch.randperm(S_total, generator=gen)[:B].to(torch.int32)
     untouched = [s for s in range(S_total) if s not in slots.tolist()]
     (x, dt, A, Bm, Cm), kw = _inputs(tree1.num_nodes, G, gen, variant)
-    pending = PendingPath.empty(S_total, 17, H, G, P, N, dtype=torch.float32)
+    own = shape in ("ragged", "random")
+    rows = torch.randperm(B + 1, generator=gen)[:B].to(torch.int32) if own else slots
+    pending = PendingPath.empty(B + 1 if own else S_total, 17, H, G, P, N, dtype=torch.float32)
     for buf in pending.fields.values():
         buf.fill_(float("nan"))  # rows past each path's length must never be read
     S0 = cache[slots.long()].clone()
     _, st_ref = ssd_tree_reference(tree1, x, dt, A, Bm, Cm, S0, **kw)
-    ssd_tree_step(x, dt, A, Bm, Cm, tree1, cache, slots, pending, kernels=kernels, **kw)
+    ssd_tree_step(x, dt, A, Bm, Cm, tree1, cache, slots, pending, kernels=kernels, pending_idx=rows, **kw)
     accepted, last = random_accepted_paths(tree1, 17, gen)
-    stash_accepted_path(pending, slots, tree1, accepted, x, dt, Bm, kernels=kernels)
-    assert pending.length[slots.long()].tolist() == (accepted >= 0).sum(1).tolist()
+    stash_accepted_path(pending, rows, tree1, accepted, x, dt, Bm, kernels=kernels)
+    assert pending.length[rows.long()].tolist() == (accepted >= 0).sum(1).tolist()
     S1 = st_ref[last]
     # step 2 on a new tree (root-only requests likely among them): commit + verify in one call
     tree2 = random_tree_batch([int(torch.randint(1, 20, (1,), generator=gen)) for _ in range(B)], generator=gen)
     (x2, dt2, _, B2, C2), _ = _inputs(tree2.num_nodes, G, gen, variant)
     before_untouched = cache[untouched].clone()
-    y2 = ssd_tree_step(x2, dt2, A, B2, C2, tree2, cache, slots, pending, out=_poisoned(tree2.num_nodes, H, P), kernels=kernels, **kw)
+    y2 = ssd_tree_step(x2, dt2, A, B2, C2, tree2, cache, slots, pending, out=_poisoned(tree2.num_nodes, H, P),
+                       kernels=kernels, pending_idx=rows, **kw)
     y2_ref, _ = ssd_tree_reference(tree2, x2, dt2, A, B2, C2, S1, **kw)
     assert rel_err(cache[slots.long()], S1) < 1e-4
     assert rel_err(y2, y2_ref) < 1e-4
     assert torch.equal(cache[untouched], before_untouched), "slots of other requests must stay bit-identical"
-    assert (pending.length[slots.long()] == 0).all()
+    assert (pending.length[rows.long()] == 0).all()
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

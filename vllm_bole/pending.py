@@ -1,8 +1,9 @@
 """Accepted paths awaiting commit, shared by the recurrent tree layers (GDN, Mamba2/SSD).
 
-* ``PendingPath``: per-slot accepted paths awaiting commit. A buffer of named per-token fields
-  (each ``[S, L, *row]``: slot, path position, one token's inputs of the layer) plus
-  ``length [S]`` int32 (0 = nothing pending). Each layer kind subclasses it with its fields and
+* ``PendingPath``: accepted paths awaiting commit, one row per request. A buffer of named per-token
+  fields (each ``[R, L, *row]``: row, path position, one token's inputs of the layer) plus
+  ``length [R]`` int32 (0 = nothing pending). The tree steps read a request's row through
+  ``pending_idx`` (default: the request's state slot, one row per slot). Each layer kind subclasses it with its fields and
   an ``empty`` constructor (``vllm_bole.gdn.PendingPath``: k, v, g, beta;
   ``vllm_bole.mamba.ssd_tree.PendingPath``: x, dt, B). Fields read as attributes
   (``pending.k``).
@@ -24,13 +25,13 @@ MAX_FIELDS = 4  # fields one stash launch copies (GDN has 4, SSD and Mamba1 3)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton tree steps take
 
 
-def dispatch_step(triton: bool, launch, twin, *, tensors, out, pending, state_idx, reset_pending: bool = True):
+def dispatch_step(triton: bool, launch, twin, *, tensors, out, pending, pending_idx, reset_pending: bool = True):
     """A recurrent tree step (commit of the pending paths, then verification): ``launch()`` (Triton;
     every tensor of ``tensors`` in :data:`KERNEL_DTYPES`, else a one-line error naming the dtype) or
     ``twin()`` (torch; its output copied into ``out`` when given); then, with ``reset_pending``, the
-    pending lengths of the touched slots are reset (one more launch; a caller whose next operation on
-    those slots is a stash, which sets their lengths, passes False). Returns the step's output (None:
-    commit only)."""
+    pending lengths of the touched rows ``pending_idx`` are reset (one more launch; a caller whose next
+    operation on those rows is a stash, which sets their lengths, passes False). Returns the step's
+    output (None: commit only)."""
     if triton:
         for t in tensors:
             if t is not None and t.dtype not in KERNEL_DTYPES:
@@ -41,7 +42,7 @@ def dispatch_step(triton: bool, launch, twin, *, tensors, out, pending, state_id
         if out is not None and y is not None:
             y = out.copy_(y)
     if pending is not None and reset_pending:
-        pending.length.index_fill_(0, state_idx.long(), 0)
+        pending.length.index_fill_(0, pending_idx.long(), 0)
     return y
 
 
@@ -108,14 +109,16 @@ def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accept
 
 
 # ------------------------------------------------------------ views for the torch twins
-def live_pending(pending: PendingPath, slots):
-    """(sl [b] slots with a pending path, m [b] their lengths, valid [b, L] bool) or None."""
-    m = pending.length[slots].long()
+def live_pending(pending: PendingPath, slots, rows):
+    """(sl [b] state slots of the requests with a pending path, pr [b] their pending rows, m [b] their
+    lengths, valid [b, L] bool) or None; ``rows`` [B]: each request's pending row."""
+    rows = rows.long()
+    m = pending.length[rows].long()
     live = m > 0
     if not bool(live.any()):
         return None
     pos = torch.arange(pending.max_len, device=m.device)
-    return slots[live], m[live], pos[None, :] < m[live, None]
+    return slots[live], rows[live], m[live], pos[None, :] < m[live, None]
 
 
 def pending_rows(x, valid, dtype):

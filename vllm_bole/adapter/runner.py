@@ -143,6 +143,11 @@ class TreeRunnerMixin:
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
+        # the recurrent layers' pending-path rows: one per request in a tree step or holding a stashed path (at
+        # most twice max_num_seqs while preempted requests await their flush), row 0 for padding and warm-up
+        self._bole_num_rows = 2 * self.scheduler_config.max_num_seqs + 1
+        self._bole_rows: dict[str, int] = {}  # req -> its row
+        self._bole_free_rows = list(range(self._bole_num_rows - 1, 0, -1))
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, split_piecewise_steps=0,
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
@@ -240,17 +245,17 @@ class TreeRunnerMixin:
                     raise NotImplementedError(
                         f"vllm-bole tree speculation: layer {name} ({type(module).__name__}) has no tree "
                         "override; supported: full attention, Mamba2 and Mamba1 mixers, Gated DeltaNet")
-                layer = kind(name, module, gid, self._bole_active, self.bole_config.depth + 1)
+                layer = kind(name, module, gid, self._bole_active, self.bole_config.depth + 1, self._bole_num_rows)
                 self._bole_recurrent.setdefault(gid, []).append(layer)
         self._bole_attention = [AttentionGroup(gid, layers) for gid, layers in attn.items()]
         self._bole_installed = True
         self._bole_log_start()
 
     def bole_tree_buffer_bytes(self) -> tuple[int, int]:
-        """(bytes per vLLM state slot of every recurrent layer's pending-path buffer, bytes the largest tree
-        step holds from its forward to its commit: the tree tokens' inputs of every recurrent layer), from
-        the layers' dimensions, before the KV caches exist. The largest step: ``max_num_seqs`` trees of
-        ``num_speculative_tokens + 1`` nodes, at most the scheduler's token budget."""
+        """(bytes of every recurrent layer's pending-path buffer, ``_bole_num_rows`` rows each; bytes the
+        largest tree step holds from its forward to its commit: the tree tokens' inputs of every recurrent
+        layer), from the layers' dimensions, before the KV caches exist. The largest step: ``max_num_seqs``
+        trees of ``num_speculative_tokens + 1`` nodes, at most the scheduler's token budget."""
         pending = per_token = 0
         for module in self.compilation_config.static_forward_context.values():
             kind = next((k for k in RECURRENT_KINDS if k.matches(module)), None)
@@ -259,7 +264,7 @@ class TreeRunnerMixin:
                 pending, per_token = pending + p, per_token + t
         sc = self.scheduler_config
         tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * (self.bole_config.num_speculative_tokens + 1))
-        return pending, per_token * tokens
+        return pending * self._bole_num_rows, per_token * tokens
 
     def _bole_recurrent_layers(self) -> list:
         """Every recurrent layer object, all KV-cache groups."""
@@ -312,6 +317,8 @@ class TreeRunnerMixin:
         # at start-up: an unsupported layer fails here, before any request; maps follow the new KV config
         self._bole_install_layers(refresh=True)
         self._bole_pending_slots.clear()
+        self._bole_rows.clear()
+        self._bole_free_rows = list(range(self._bole_num_rows - 1, 0, -1))
         return out
 
     def _update_states(self, scheduler_output):
@@ -716,11 +723,13 @@ class TreeRunnerMixin:
         # the step's trees and per-request tables in one host-to-device copy
         groups = [g.group for g in self._bole_attention]
         host_slots = [ib.block_table[gid].block_table.np[rows, 0] for gid in self._bole_recurrent]
+        prow = [self._bole_row(ib.req_ids[i]) for i in rows] if self._bole_recurrent else []
         host_tree = tree
         tree, (pos, logits, prefix, *tables) = host_tree.upload_with(self.device, [
             torch.from_numpy(pos), torch.from_numpy(logits), torch.from_numpy(prefix_np)]
             + [ib.block_table[g].block_table.cpu[rows] for g in groups]
-            + [torch.from_numpy(s.astype(np.int64)) for s in host_slots])
+            + [torch.from_numpy(s.astype(np.int64)) for s in host_slots]
+            + ([torch.tensor(prow, dtype=torch.int64)] if prow else []))
         block_tables = dict(zip(groups, tables))
         state_slots = dict(zip(self._bole_recurrent, tables[len(groups):]))
         step = TreeStep(num_plain=P, tok_start=start, tree=tree, host_tree=host_tree,
@@ -729,6 +738,7 @@ class TreeRunnerMixin:
                         state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain,
                         max_kv_len=int(prefix_np.max()) + host_tree.max_nodes, kernels=self.bole_config.kernels,
                         state_slots_host={gid: s.tolist() for gid, s in zip(self._bole_recurrent, host_slots)},
+                        pending_rows=tables[-1] if prow else None, pending_rows_host=prow,
                         host=dict(prefix=prefix_np, tables={g: ib.block_table[g].block_table.np[rows] for g in groups})
                         if self._bole_graphs is not None else {})
         return step, pos, logits
@@ -743,25 +753,40 @@ class TreeRunnerMixin:
             if not torch.equal(want.long(), got.long().to(want.device)):
                 raise RuntimeError("vllm-bole: vLLM's slot mapping for the tree tokens is not the tree slot mapping")
 
+    def _bole_row(self, rid: str) -> int:
+        """``rid``'s pending-path row: its own, or a free one from now on."""
+        row = self._bole_rows.get(rid)
+        if row is None:
+            if not self._bole_free_rows:  # at most max_num_seqs in a step + max_num_seqs awaiting their flush
+                raise RuntimeError(f"vllm-bole: no free pending-path row of {self._bole_num_rows}")
+            row = self._bole_rows[rid] = self._bole_free_rows.pop()
+        return row
+
     def _bole_flush_pending(self, exclude: set) -> None:
-        """Commit the stashed paths of requests that are not verified as trees this step."""
+        """Commit the stashed paths of requests that are not verified as trees this step; their rows go back."""
         todo = {rid: g for rid, g in self._bole_pending_slots.items() if rid not in exclude}
         for rid in exclude:
             self._bole_pending_slots.pop(rid, None)  # folded into this step's tree step
-        if not todo:
-            return
-        for gid, layers in self._bole_recurrent.items():
-            slots = upload(torch.tensor([g[gid] for g in todo.values() if gid in g], dtype=torch.long), self.device)
-            if slots.numel():
+        for gid, layers in self._bole_recurrent.items() if todo else ():
+            mine = [rid for rid, g in todo.items() if gid in g]
+            if mine:
+                slots = upload(torch.tensor([todo[rid][gid] for rid in mine], dtype=torch.long), self.device)
+                rows = upload(torch.tensor([self._bole_rows[rid] for rid in mine], dtype=torch.long), self.device)
                 for layer in layers:
-                    layer.flush(slots, self.bole_config.kernels)
+                    layer.flush(slots, self.bole_config.kernels, rows)
         for rid in todo:
             self._bole_pending_slots.pop(rid, None)
+        for rid in [r for r in self._bole_rows if r not in exclude]:
+            self._bole_free_rows.append(self._bole_rows.pop(rid))
 
     def _bole_drop_pending(self, rid: str) -> None:
-        for gid, slot in (self._bole_pending_slots.pop(rid, None) or {}).items():
-            for layer in self._bole_recurrent.get(gid, []):
-                layer.drop(slot)
+        """A finished request's stashed path forgotten, its row free."""
+        self._bole_pending_slots.pop(rid, None)
+        row = self._bole_rows.pop(rid, None)
+        if row is not None:
+            for layer in self._bole_recurrent_layers():
+                layer.drop(row)
+            self._bole_free_rows.append(row)
 
     # ------------------------------------------------------------------ drafting
     def _bole_propose(self, hidden: torch.Tensor | None, pending=None, plain: int = 0) -> None:

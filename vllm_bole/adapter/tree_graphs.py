@@ -108,7 +108,7 @@ class StaticStep:
                     cu=torch.zeros(B + 1, dtype=i32), path=torch.zeros(T, depth + 1, dtype=i32),
                     anc=torch.zeros(T, WORDS, dtype=i32), prefix=torch.zeros(B, dtype=i64),
                     **{f"table{g}": torch.zeros(B, w, dtype=i32) for g, w in table_widths.items()},
-                    **{f"slots{g}": torch.zeros(B, dtype=i64) for g in slot_groups})
+                    **{f"slots{g}": torch.zeros(B, dtype=i64) for g in slot_groups}, prow=torch.zeros(B, dtype=i64))
         self.names = list(like)
         self.host_buf, spans = pack(list(like.values()), pin=torch.device(device).type == "cuda")
         self.dev_buf = torch.zeros_like(self.host_buf, device=device)
@@ -131,7 +131,7 @@ class StaticStep:
                         rows=[], block_tables={g: d[f"table{g}"] for g in self.tables},
                         state_slots={g: d[f"slots{g}"] for g in self.slot_groups},
                         fresh=torch.zeros(self.B, dtype=torch.bool), chain_len=[], max_kv_len=self.max_model_len,
-                        kernels=self.kernels)
+                        kernels=self.kernels, pending_rows=d["prow"])
 
     def new_result(self) -> VerificationResult:
         """The static verification result (a new object each time, as :meth:`new_step`)."""
@@ -146,14 +146,15 @@ class StaticStep:
         self.last[:b].copy_(result.last_node)
         torch.sub(self.dev["cu"][b:-1].long(), 1, out=self.last[b:])
 
-    def fill(self, tree: TreeBatch | None, prefix=(), tables=None, slots=None) -> None:
-        """The real step (host tree; prefix [b]; tables / slots by group, [b, width] / [b] host arrays; None:
-        padding alone) padded into the bucket, then ONE copy to the device."""
+    def fill(self, tree: TreeBatch | None, prefix=(), tables=None, slots=None, rows=()) -> None:
+        """The real step (host tree; prefix [b]; tables / slots by group, [b, width] / [b] host arrays; pending
+        rows [b]; None: padding alone) padded into the bucket (padding requests: block, slot and pending
+        row 0), then ONE copy to the device."""
         h = self.host  # numpy views of the pinned host buffer
         b, t = (tree.num_requests, tree.num_nodes) if tree is not None else (0, 0)
         pad = padding_trees(self.B - b, self.T - t, self.nodes)
         h["path"].fill(-1)
-        for name in ("prefix", *(n for n in self.names if n.startswith(("table", "slots")))):
+        for name in ("prefix", "prow", *(n for n in self.names if n.startswith(("table", "slots")))):
             h[name].fill(0)
         h["cu"][0] = 0
         if tree is not None:
@@ -165,6 +166,7 @@ class StaticStep:
                 h[f"table{g}"][:b, : tab.shape[1]] = tab
             for g, sl in slots.items():
                 h[f"slots{g}"][:b] = sl
+            h["prow"][: len(rows)] = rows
         h["parent"][t:], h["depth"][t:], h["cu"][b + 1:] = pad["parent"], pad["depth"], t + pad["cu"]
         h["path"][t:, :2], h["anc"][t:] = pad["path"], pad["anc_mask"]
         self.dev_buf.copy_(self.host_buf, non_blocking=True)
@@ -277,7 +279,7 @@ class TreeGraphs:
         if bt is None:
             return None
         st = self.static[bt]
-        st.fill(step.host_tree, step.host["prefix"], step.host["tables"], step.state_slots_host)
+        st.fill(step.host_tree, step.host["prefix"], step.host["tables"], step.state_slots_host, step.pending_rows_host)
         t = step.num_tokens
         self._no_kv_writes(runner, t, bt[1])
         runner.input_ids.gpu[t: bt[1]].clamp_(min=0)

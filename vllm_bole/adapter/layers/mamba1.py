@@ -51,23 +51,24 @@ class Mamba1Layer(RecurrentLayer):
         y = mamba1_tree.mamba1_tree_step(x, dt, layer.A, B, C, step.tree, self.state_view(), slots,
                                          self.pending_path(), D=layer.D, z=gate.contiguous(),
                                          dt_bias=layer._time_proj_bias(), dt_softplus=True, kernels=step.kernels,
-                                         reset_pending=False)
+                                         reset_pending=False, pending_idx=self.rows_of(step, slots))
         output[s : s + T] = layer.out_proj(y.to(hidden_states.dtype))[0].to(output.dtype)
         self.save(step, slots, x_in, x=x, dt=dt, B=B)
 
     def state_view(self) -> torch.Tensor:
         return self.module.kv_cache[1]
 
-    def _new_pending(self, num_slots: int, device):
-        return mamba1_tree.PendingPath.empty(num_slots, self.max_path, self.Dn, self.N, dtype=self.pending_dtype(),
+    def _new_pending(self, num_rows: int, device):
+        return mamba1_tree.PendingPath.empty(num_rows, self.max_path, self.Dn, self.N, dtype=self.pending_dtype(),
                                              device=device)
 
     def _stash(self, saved, tree, accepted) -> None:
         i = saved.inputs
-        mamba1_tree.stash_accepted_path(self.pending_path(), saved.slots, tree, accepted, i["x"], i["dt"], i["B"],
+        mamba1_tree.stash_accepted_path(self.pending_path(), saved.rows, tree, accepted, i["x"], i["dt"], i["B"],
                                         kernels=saved.step.kernels)
 
-    def _commit_pending(self, slots, kernels) -> None:
+    def _commit_pending(self, slots, rows, kernels) -> None:
         layer = self.module
         mamba1_tree.mamba1_commit_pending(self.state_view(), slots, self.pending_path(), layer.A,
-                                          dt_bias=layer._time_proj_bias(), dt_softplus=True, kernels=kernels)
+                                          dt_bias=layer._time_proj_bias(), dt_softplus=True, kernels=kernels,
+                                          pending_idx=rows)

@@ -55,7 +55,8 @@ class Mamba2Layer(RecurrentLayer):
         direct = dst.dtype == x.dtype and dst.is_contiguous()  # the kernel writes the layer's output in place
         y = ssd_tree.ssd_tree_step(x, dt, layer.A, B, C, step.tree, self.state_view(), slots, self.pending_path(),
                                    D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True, dt_limit=(0.0, INF),
-                                   out=dst.view(T, H, P) if direct else None, kernels=step.kernels, reset_pending=False)
+                                   out=dst.view(T, H, P) if direct else None, kernels=step.kernels, reset_pending=False,
+                                   pending_idx=self.rows_of(step, slots))
         if not direct:
             dst.copy_(y.reshape(T, H * P))
         self.save(step, slots, xBC, x=x, dt=dt, B=B)
@@ -63,16 +64,16 @@ class Mamba2Layer(RecurrentLayer):
     def state_view(self) -> torch.Tensor:
         return self.module.kv_cache[1]
 
-    def _new_pending(self, num_slots: int, device):
-        return ssd_tree.PendingPath.empty(num_slots, self.max_path, self.H, self.G, self.P, self.N,
+    def _new_pending(self, num_rows: int, device):
+        return ssd_tree.PendingPath.empty(num_rows, self.max_path, self.H, self.G, self.P, self.N,
                                           dtype=self.pending_dtype(), device=device)
 
     def _stash(self, saved, tree, accepted) -> None:
         i = saved.inputs
-        ssd_tree.stash_accepted_path(self.pending_path(), saved.slots, tree, accepted, i["x"], i["dt"], i["B"],
+        ssd_tree.stash_accepted_path(self.pending_path(), saved.rows, tree, accepted, i["x"], i["dt"], i["B"],
                                      kernels=saved.step.kernels)
 
-    def _commit_pending(self, slots, kernels) -> None:
+    def _commit_pending(self, slots, rows, kernels) -> None:
         layer = self.module
         ssd_tree.ssd_commit_pending(self.state_view(), slots, self.pending_path(), layer.A, dt_bias=layer.dt_bias,
-                                    dt_softplus=True, dt_limit=(0.0, INF), kernels=kernels)
+                                    dt_softplus=True, dt_limit=(0.0, INF), kernels=kernels, pending_idx=rows)

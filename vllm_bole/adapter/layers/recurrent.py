@@ -4,8 +4,9 @@ pending accepted paths.
 
 After verification, :meth:`RecurrentLayer.commit` rolls the conv state along the accepted path in
 place and stashes the accepted path's own recurrent inputs (at most ``depth + 1`` tokens) into
-``pending``; the request's next tree step folds them into its state (one state read + one write
-per step). The tree steps leave the pending lengths alone (``reset_pending=False``): the stash
+``pending``, at the request's row (``TreeStep.pending_rows``: the runner's rows, one per request in
+flight, so the buffer does not grow with the KV cache; without them the state slot); the request's
+next tree step folds them into its state (one state read + one write per step). The tree steps leave the pending lengths alone (``reset_pending=False``): the stash
 that follows every tree step sets the length of each of its slots (the root is always accepted).
 Before any other forward could read a state that still has a pending path (the request is not
 verified as a tree this step, finishes, or is preempted), the runner calls :meth:`flush`.
@@ -45,6 +46,7 @@ class Saved:
 
     step: TreeStep
     slots: torch.Tensor  # [Bt] int64 state slots
+    rows: torch.Tensor  # [Bt] int64 pending-path rows
     conv_in: torch.Tensor  # [T, C] pre-conv inputs, owned (:func:`owned`)
     inputs: dict  # the kind's recurrent inputs by name, [T, ...] each
 
@@ -59,9 +61,10 @@ class RecurrentLayer:
     def matches(cls, module) -> bool:
         return cls.vllm_class in {c.__name__ for c in type(module).__mro__}
 
-    def __init__(self, name: str, module, group: int, active: ActiveStep, max_path: int):
+    def __init__(self, name: str, module, group: int, active: ActiveStep, max_path: int, num_rows: int | None = None):
         self.name, self.module, self.group, self.active = name, module, group, active
         self.max_path = max_path  # depth + 1: the longest accepted path (root included)
+        self.num_rows = num_rows  # rows of the pending-path buffer (None: one per state slot)
         self.pending = None  # allocated on first use (the caches exist by then)
         self._saved: Saved | None = None
         self._dims()
@@ -69,7 +72,7 @@ class RecurrentLayer:
 
     @classmethod
     def buffer_bytes(cls, module, max_path: int) -> tuple[int, int]:
-        """(bytes of one state slot of the pending-path buffer, bytes a tree step holds per tree token until
+        """(bytes of one row of the pending-path buffer, bytes a tree step holds per tree token until
         its commit) of ``module``, from its dimensions alone (nothing installed, no cache needed, nothing
         allocated). The second is an upper bound: the token's pending fields plus its conv input, which
         is at most as large as those fields (Mamba2: x, B, C against x, dt, B; GDN: q, k, v against k, v,
@@ -92,13 +95,13 @@ class RecurrentLayer:
     def state_view(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def _new_pending(self, num_slots: int, device):
+    def _new_pending(self, num_rows: int, device):
         raise NotImplementedError
 
     def _stash(self, saved: Saved, tree, accepted: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _commit_pending(self, slots: torch.Tensor, kernels: str) -> None:
+    def _commit_pending(self, slots: torch.Tensor, rows: torch.Tensor, kernels: str) -> None:
         raise NotImplementedError
 
     # --- shared
@@ -109,8 +112,14 @@ class RecurrentLayer:
 
     def pending_path(self):
         if self.pending is None:
-            self.pending = self._new_pending(self.module.kv_cache[1].shape[0], self.module.kv_cache[1].device)
+            rows = self.num_rows if self.num_rows is not None else self.module.kv_cache[1].shape[0]
+            self.pending = self._new_pending(rows, self.module.kv_cache[1].device)
         return self.pending
+
+    @staticmethod
+    def rows_of(step: TreeStep, slots: torch.Tensor) -> torch.Tensor:
+        """The step's pending-path rows: the runner's, else the state slots."""
+        return step.pending_rows if step.pending_rows is not None else slots
 
     def conv(self, step: TreeStep, conv_in: torch.Tensor, weight, bias, activation) -> tuple[torch.Tensor, torch.Tensor]:
         """Tree conv of the step's tree tokens (``conv_in`` [T, C]); zeroes the fresh slots' states
@@ -134,7 +143,7 @@ class RecurrentLayer:
         self.state_view()[slots] = 0
 
     def save(self, step: TreeStep, slots, conv_in, **inputs) -> None:
-        self._saved = Saved(step, slots, conv_in, inputs)
+        self._saved = Saved(step, slots, self.rows_of(step, slots), conv_in, inputs)
 
     def saved_bytes(self) -> int:
         """Bytes this layer holds from the tree forward to its commit (the tree tokens' inputs)."""
@@ -152,11 +161,11 @@ class RecurrentLayer:
         accepted = result.accepted_i32[:, : self.max_path]
         self._stash(saved, tree, accepted)
 
-    def flush(self, slots: torch.Tensor, kernels: str) -> None:
-        """Commit the pending paths of ``slots`` into their states (nothing verified)."""
-        self._commit_pending(slots, kernels)
+    def flush(self, slots: torch.Tensor, kernels: str, rows: torch.Tensor | None = None) -> None:
+        """Commit the pending paths (at ``rows``; default: the slots) of the states ``slots`` (nothing verified)."""
+        self._commit_pending(slots, slots if rows is None else rows, kernels)
 
-    def drop(self, slot: int) -> None:
-        """Forget a finished request's pending path (its slot is free)."""
+    def drop(self, row: int) -> None:
+        """Forget a finished request's pending path (its row is free)."""
         if self.pending is not None:
-            self.pending.length[slot] = 0
+            self.pending.length[row] = 0

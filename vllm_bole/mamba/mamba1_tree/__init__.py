@@ -70,11 +70,12 @@ def check_mamba1_dims(Dn: int, N: int) -> None:
 
 def mamba1_tree_step(x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
                      *, D=None, z=None, dt_bias=None, dt_softplus: bool = True, out=None, kernels: str = "auto",
-                     reset_pending: bool = True):
-    """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
+                     reset_pending: bool = True, pending_idx=None):
+    """Commit each request's pending path (if any) into its state ``state[state_idx]`` in place, then
+    verify ``tree``. ``pending_idx`` [B]: each request's row of ``pending`` (default ``state_idx``).
 
     Returns y [T, Dn] (written into ``out`` when given; None when ``tree`` is None: commit only).
-    Pending lengths of the touched slots are reset to 0.
+    Pending lengths of the touched rows are reset to 0.
     ``reset_pending=False`` leaves the pending lengths of the touched slots as they were, for a
     caller that stashes every one of them next (the engine: each verified slot's accepted path),
     which saves a launch per step; they must not be read before that stash.
@@ -87,21 +88,23 @@ def mamba1_tree_step(x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, p
     def launch():  # imported here: Triton picks interpreter or compiled mode at the kernel module's import
         from csrc_triton.mamba1_tree import mamba1_tree_step as kernel
 
-        return kernel(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out)
+        return kernel(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, out, rows)
 
+    rows = state_idx if pending_idx is None else pending_idx
     return _pending.dispatch_step(
         use_triton(kernels, state), launch,
-        lambda: step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus),
-        tensors=(state, x), out=out, pending=pending, state_idx=state_idx, reset_pending=reset_pending)
+        lambda: step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, rows),
+        tensors=(state, x), out=out, pending=pending, pending_idx=rows, reset_pending=reset_pending)
 
 
-def mamba1_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, kernels="auto"):
-    """Apply each slot's pending accepted path to its state in place (no verification)."""
+def mamba1_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, kernels="auto",
+                          pending_idx=None):
+    """Apply each request's pending accepted path to its state in place (no verification)."""
     mamba1_tree_step(None, None, A, None, None, None, state, state_idx, pending, dt_bias=dt_bias,
-                     dt_softplus=dt_softplus, kernels=kernels)
+                     dt_softplus=dt_softplus, kernels=kernels, pending_idx=pending_idx)
 
 
 def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, x, dt, B, *, kernels="auto"):
-    """Copy the accepted nodes' x, raw dt and B into ``pending`` at the requests' slots (as
+    """Copy the accepted nodes' x, raw dt and B into ``pending`` at the requests' rows ``state_idx`` (as
     ``vllm_bole.mamba.ssd_tree.stash_accepted_path``)."""
     _pending.stash_accepted_path(pending, state_idx, tree, accepted, dict(x=x, dt=dt, B=B), kernels=kernels)

@@ -28,18 +28,18 @@ def _chunks(total: int, per: int):
     return [slice(c, min(c + step, total)) for c in range(0, total, step)]
 
 
-def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus):
+def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, pending_idx=None):
     ft = torch.float64 if state.dtype == torch.float64 else torch.float32
     Dn, N = state.shape[1:]
     A = A.to(ft)
     slots = state_idx.long()
-    live = live_pending(pending, slots) if pending is not None else None
+    live = live_pending(pending, slots, slots if pending_idx is None else pending_idx) if pending is not None else None
     if live is not None:
-        sl, m, valid = live  # [b], [b], [b, L]
+        sl, pr, m, valid = live  # [b], [b], [b], [b, L]
         v = valid[..., None]
-        dtp = torch.where(v, dt_effective(pending.dt[sl], dt_bias, dt_softplus, ft), 0)  # [b, L, Dn]
-        xp = torch.where(v, pending.x[sl].to(ft), 0)
-        Bp = torch.where(v, pending.B[sl].to(ft), 0)  # [b, L, N]
+        dtp = torch.where(v, dt_effective(pending.dt[pr], dt_bias, dt_softplus, ft), 0)  # [b, L, Dn]
+        xp = torch.where(v, pending.x[pr].to(ft), 0)
+        Bp = torch.where(v, pending.B[pr].to(ft), 0)  # [b, L, N]
         s = dtp.cumsum(1)
         sm = s.gather(1, (m - 1)[:, None, None].expand(-1, 1, Dn))  # [b, 1, Dn]
         S = state[sl].to(ft)  # [b, Dn, N]

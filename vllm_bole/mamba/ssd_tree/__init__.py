@@ -76,12 +76,13 @@ def check_ssd_dims(H: int, G: int, P: int, N: int) -> None:
 def ssd_tree_step(
     x, dt, A, B, C, tree: TreeBatch | None, state, state_idx, pending: PendingPath | None = None,
     *, D=None, dt_bias=None, dt_softplus: bool = True, dt_limit=(0.0, INF), out=None, kernels: str = "auto",
-    reset_pending: bool = True,
+    reset_pending: bool = True, pending_idx=None,
 ):
-    """Commit each slot's pending path (if any) into ``state`` in place, then verify ``tree``.
+    """Commit each request's pending path (if any) into its state ``state[state_idx]`` in place, then
+    verify ``tree``. ``pending_idx`` [B]: each request's row of ``pending`` (default ``state_idx``).
 
     Returns y [T, H, P] (written into ``out`` when given; None when ``tree`` is None: commit
-    only). Pending lengths of the touched slots are reset to 0.
+    only). Pending lengths of the touched rows are reset to 0.
     ``reset_pending=False`` leaves the pending lengths of the touched slots as they were, for a
     caller that stashes every one of them next (the engine: each verified slot's accepted path),
     which saves a launch per step; they must not be read before that stash.
@@ -95,23 +96,24 @@ def ssd_tree_step(
     def launch():  # imported here: Triton picks interpreter or compiled mode at the kernel module's import
         from csrc_triton.ssd_tree import ssd_tree_step as kernel
 
-        return kernel(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out)
+        return kernel(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out, rows)
 
+    rows = state_idx if pending_idx is None else pending_idx
     return _pending.dispatch_step(
         triton, launch, lambda: step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus,
-                                           dt_limit),
-        tensors=(state, x), out=out, pending=pending, state_idx=state_idx, reset_pending=reset_pending)
+                                           dt_limit, rows),
+        tensors=(state, x), out=out, pending=pending, pending_idx=rows, reset_pending=reset_pending)
 
 
 def ssd_commit_pending(state, state_idx, pending: PendingPath, A, *, dt_bias=None, dt_softplus=True, dt_limit=(0.0, INF),
-                       kernels="auto"):
-    """Apply each slot's pending accepted path to its state in place (no verification)."""
+                       kernels="auto", pending_idx=None):
+    """Apply each request's pending accepted path to its state in place (no verification)."""
     ssd_tree_step(None, None, A, None, None, None, state, state_idx, pending,
-                  dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, kernels=kernels)
+                  dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, kernels=kernels, pending_idx=pending_idx)
 
 
 def stash_accepted_path(pending: PendingPath, state_idx, tree: TreeBatch, accepted, x, dt, B, *, kernels="auto"):
-    """Copy the accepted nodes' x, raw dt and B into ``pending`` at the requests' slots.
+    """Copy the accepted nodes' x, raw dt and B into ``pending`` at the requests' rows ``state_idx``.
 
     accepted: [B, L] local node indices of each request's accepted path, root first, padded
     with -1 (verification's output); inputs as given to ``ssd_tree_step``. L must not exceed

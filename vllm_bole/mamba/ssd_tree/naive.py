@@ -24,18 +24,18 @@ def dt_effective(dt, dt_bias, dt_softplus, dt_limit, dtype):
     return d.clamp(min=dt_limit[0], max=dt_limit[1])
 
 
-def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit):
+def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, pending_idx=None):
     H = state.shape[1]
     ft = torch.float64 if state.dtype == torch.float64 else torch.float32
     A = A.to(ft)[None, :, None]  # [1, H, 1]
     slots = state_idx.long()
     heads = lambda t: t.repeat_interleave(H // t.shape[-2], dim=-2)  # noqa: E731  groups -> heads
-    live = live_pending(pending, slots) if pending is not None else None
+    live = live_pending(pending, slots, slots if pending_idx is None else pending_idx) if pending is not None else None
     if live is not None:
-        sl, m, valid = live
-        xp = pending_rows(pending.x[sl], valid, ft)  # [b, H, L, P]
-        dtp = pending_rows(dt_effective(pending.dt[sl], dt_bias, dt_softplus, dt_limit, ft), valid, ft)  # [b, H, L]
-        Bp = pending_rows(heads(pending.B[sl].to(ft)), valid, ft)  # [b, H, L, N]
+        sl, pr, m, valid = live
+        xp = pending_rows(pending.x[pr], valid, ft)  # [b, H, L, P]
+        dtp = pending_rows(dt_effective(pending.dt[pr], dt_bias, dt_softplus, dt_limit, ft), valid, ft)  # [b, H, L]
+        Bp = pending_rows(heads(pending.B[pr].to(ft)), valid, ft)  # [b, H, L, N]
         Gp = torch.cumsum(dtp * A, -1)
         Gm = Gp.gather(-1, (m - 1)[:, None, None].expand(-1, H, 1))  # [b, H, 1]
         w = torch.where(valid[:, None, :], torch.exp(Gm - Gp) * dtp, 0)
