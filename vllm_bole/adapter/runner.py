@@ -21,7 +21,7 @@ One step, as vLLM drives it (``execute_model`` then ``sample_tokens``):
    (:mod:`vllm_bole.adapter.sampling`), ``verify_tree`` and ``commit`` of :mod:`vllm_bole.spec_decode.step`
    for the trees, over the layer objects (:mod:`vllm_bole.adapter.layers`): accepted K/V
    compacted into ``prefix_len .. prefix_len + m`` for every full-attention layer, conv states
-   committed in place, the accepted path's recurrent inputs stashed per state slot (folded into
+   committed in place, the accepted path's recurrent inputs stashed in the request's pending-path row (folded into
    the next tree step of the request). Output: accepted tokens + bonus, ``-1`` padded, exactly
    what vLLM's rejection sampler returns, so vLLM's bookkeeping and the scheduler's rollback of
    ``num_computed_tokens`` stay right.
