@@ -154,7 +154,10 @@
 # verification (`chained_drafts` = `tree_steps`); the `graphs` smoke now has split steps (`--waves 2`) and shows a
 # failure of that path first: run it before the matrix, with the first pieces (`parts graphs`, carrying pieces
 # 00-02 + pair.sha256 + .pair/tiny: ~60 of the 64 MiB). Then, before `costprof`: TREE_GRAPHS=1 PROFILE_BATCHES=128
-# `profile` (the pair at batch 128 in lockstep, ~4 min: the steady tree step's split at c = 128).
+# `profile` (the pair at batch 128 in lockstep, ~4 min: the steady tree step's split at c = 128). The pending paths are
+# now a few MiB (rows per request, f43e755): the engines' "set aside for tree steps" line says how much; the KV
+# cache grows 14-19% at equal gpu_memory_utilization; TREE_GRAPHS=1 COST_MODES=bole_tree COST_GPU_MEM=0.9 `cost`
+# is the open 8B-shape check at vLLM's default memory share.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
