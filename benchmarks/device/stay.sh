@@ -157,7 +157,8 @@
 # `profile` (the pair at batch 128 in lockstep, ~4 min: the steady tree step's split at c = 128). The pending paths are
 # now a few MiB (rows per request, f43e755): the engines' "set aside for tree steps" line says how much; the KV
 # cache grows 14-19% at equal gpu_memory_utilization; TREE_GRAPHS=1 COST_MODES=bole_tree COST_GPU_MEM=0.9 `cost`
-# is the open 8B-shape check at vLLM's default memory share.
+# is the open 8B-shape check at vLLM's default memory share. New stage `treegraphs` (~9 min, every architecture's
+# matrix rows with whole tree-step graphs, rows marked `tree_graphs`): the evidence to make them the default.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -407,6 +408,16 @@ stage_e2e() {  # the vLLM-on-H200 matrix's open items, after the pair's benchmar
         --arch falcon_h1 --arch qwen3_5 --arch jamba --arch falcon_mamba --mixed nemotron_h --mixed llama --soak-seconds 300 \
         --prior benchmarks/results/vllm_gpu_e2e.json > "$OUT/vllm_gpu_e2e.log" 2>&1
     tail -20 "$OUT/vllm_gpu_e2e.log" | cut -c1-200
+}
+
+stage_treegraphs() {  # issue 13 item 3: the vLLM matrix with every tree step from a whole tree-step graph
+    # (VLLM_BOLE_TREE_GRAPHS=1, opt-in until this passes for every architecture); TREEGRAPH_ARCHS picks (default all)
+    project
+    prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
+    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part treegraphs --deadline 520 --no-mixed \
+        $(printf -- "--arch %s " ${TREEGRAPH_ARCHS:-}) --prior "$prior" > "$OUT/vllm_gpu_e2e_treegraphs.log" 2>&1
+    cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null
+    tail -24 "$OUT/vllm_gpu_e2e_treegraphs.log" | cut -c1-200
 }
 
 stage_recheck() {  # issue 13: the graphs rows the d342dbe matrix left open (Qwen3-Next parted; draft-model rows cut

@@ -6,6 +6,7 @@ Run on the device after the vLLM bundle install (``../shared/tools/vllm-gpu/READ
     python3 benchmarks/device/vllm_gpu_e2e.py --part eager --serve                 # rows, mixed, serve
     python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-mixed --soak-seconds 300 --prior A.json
     python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-mixed --sequential --arch llama --prior B.json
+    python3 benchmarks/device/vllm_gpu_e2e.py --part treegraphs --no-mixed --prior C.json      # tree-step graphs
 
 Each part stores its result under /tmp/bole_e2e (it survives between runs while the machine stays
 warm) and writes ``$OUT/vllm_gpu_e2e.json`` from every part present, so the last run returns the
@@ -16,12 +17,14 @@ which skips vLLM's memory profiling, so concurrent engines cannot disturb each o
 matrix, per tiny architecture (``vllm_bole.testing.tiny_models``; 8 prompts of mixed lengths plus a
 200-token one, 128 greedy tokens each, one batch):
 
-* rows per (arch, dtype, drafter, cuda_graphs): fp32 (vLLM's CUDA kernels take fp32 for all but the GDN ones;
+* rows per (arch, dtype, drafter, cuda_graphs[, tree_graphs]): fp32 (vLLM's CUDA kernels take fp32 for all but the GDN ones;
   FlashAttention 3 does not, so vLLM runs TRITON_ATTN there) with ``TRITON_F32_DEFAULT=ieee``, i.e.
   Triton's fp32 dots in IEEE fp32, vLLM's and ours (with Triton's tf32 default, vLLM's own
   kernels differ at the 1e-3 level); both drafters (``ngram``; ``draft_model`` = the target as its
   own drafter, which must accept every node of the greedy chain; Zamba2's the tiny Llama, ``SEPARATE_DRAFT``); eager and CUDA graphs
-  (vLLM's default FULL_AND_PIECEWISE: tree steps run PIECEWISE). Greedy streams must be identical
+  (vLLM's default FULL_AND_PIECEWISE: tree steps run PIECEWISE; part ``treegraphs``: the same with every tree
+  step replayed from a whole tree-step graph, ``VLLM_BOLE_TREE_GRAPHS=1``, rows marked ``tree_graphs``, with
+  ``graph_tree_steps``). Greedy streams must be identical
   (``vllm_bole.testing.lossless``: fp32 top logprobs within 1e-3, or within 1.5x the baseline's own
   decode/prefill spread, measured by rescoring its streams, as on CPU); bf16 rows (Qwen3-Next,
   NemotronH, CUDA graphs) use the engine's own noise criterion. ``step_ms`` is the mean engine step of the speculative run, ``ar_step_ms``
@@ -78,8 +81,10 @@ MIXED_ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2", "llama",
 # (dtype, CUDA graphs) per part and architecture. Qwen3-Next and Qwen3.5 run bf16 only: vLLM's FLA
 # chunked GDN prefill (the Triton backend; FlashInfer is not bundled) does not take fp32 inputs.
 PARTS = {"graphs": {"qwen3_next": [("bfloat16", True)], "qwen3_5": [("bfloat16", True)], "*": [("float32", True)]},
+         "treegraphs": {"qwen3_next": [("bfloat16", True)], "qwen3_5": [("bfloat16", True)], "*": [("float32", True)]},
          "eager": {"qwen3_next": [("bfloat16", False)], "qwen3_5": [("bfloat16", False)],
                    "nemotron_h": [("float32", False), ("bfloat16", True)], "*": [("float32", False)]}}
+TREE_GRAPH_PARTS = {"treegraphs"}  # the tree engines replay whole tree-step graphs (VLLM_BOLE_TREE_GRAPHS=1)
 ENGINE_TIMEOUT_S = 400
 DEADLINE: float | None = None  # time.monotonic() by which every engine stops (--deadline)
 
@@ -106,15 +111,17 @@ def spec(drafter: str, model) -> dict:
     return cfg
 
 
-def run(model, jobs, *, spec_cfg=None, dtype="float32", graphs=True, timeout=ENGINE_TIMEOUT_S, **kw) -> dict:
+def run(model, jobs, *, spec_cfg=None, dtype="float32", graphs=True, timeout=ENGINE_TIMEOUT_S, tree_graphs=False,
+        **kw) -> dict:
     """One engine; an exception becomes {"error": its first line and its tail} (the matrix never stops
     on one failure). An engine still running at ``--deadline`` is stopped there, so its row records
     where it was (its log's tail) instead of the run's outer time limit cutting everything."""
     if DEADLINE is not None:
         timeout = min(timeout, max(DEADLINE - time.monotonic(), 1.0))
     try:
+        env = dict(engine_env(dtype), **({"VLLM_BOLE_TREE_GRAPHS": "1"} if tree_graphs else {}))
         return engine_run.run_engine(model, jobs, spec=spec_cfg, llm_kwargs=engine_kwargs(dtype, graphs, **kw),
-                                     env=engine_env(dtype), timeout=timeout)
+                                     env=env, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - recorded as the row's result
         text = f"{type(e).__name__}: {e}"
         return dict(error=text if len(text) <= 4000 else f"{text[:400]} ... {text[-3500:]}")
@@ -131,10 +138,12 @@ def _prompts(model) -> list[list[int]]:
     return prompts
 
 
-def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS, draft: Path | None = None) -> dict:
+def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS, draft: Path | None = None,
+                tree_graphs: bool = False) -> dict:
     """The rows of one architecture for ``cases`` [(dtype, cuda_graphs)] and ``drafters`` (module
     docstring), engines one after another; each row is saved as soon as it is known. ``draft``: the
-    draft model's checkpoint (default: the target itself, ``SEPARATE_DRAFT``)."""
+    draft model's checkpoint (default: the target itself, ``SEPARATE_DRAFT``); ``tree_graphs``: the tree
+    engines replay whole tree-step graphs (their rows say ``tree_graphs`` and how many steps replayed)."""
     prompts = _prompts(model)
     draft = draft or model
     rows, extra = [], {}
@@ -150,11 +159,13 @@ def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS, draft: P
                                                      sampling=[sp] * NUM_SAMPLES + [colder] * NUM_SAMPLES))
         base = run(model, base_jobs, dtype=dtype, graphs=graphs)
         for drafter in drafters:
-            jobs = [engine_run.generate_job(prompts, MAX_TOKENS, logprobs=k)]
+            jobs = [engine_run.generate_job(prompts, MAX_TOKENS, logprobs=k, tree_graphs=tree_graphs)]
             if sampled and drafter == "draft_model":
                 jobs.append(engine_run.generate_job([prompts[0]] * NUM_SAMPLES, SAMPLE_TOKENS, sampling=sp))
-            ours = run(model, jobs, spec_cfg=spec(drafter, draft), dtype=dtype, graphs=graphs)
+            ours = run(model, jobs, spec_cfg=spec(drafter, draft), dtype=dtype, graphs=graphs, tree_graphs=tree_graphs)
             row = dict(arch=arch, dtype=dtype, drafter=drafter, cuda_graphs=graphs)
+            if tree_graphs:
+                row["tree_graphs"] = True
             if drafter == "draft_model" and draft != model:
                 row["draft"] = SEPARATE_DRAFT[arch]
             if "error" in base or "error" in ours:
@@ -174,7 +185,8 @@ def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS, draft: P
                        warm_up=[ln[ln.find("vllm-bole"):] for ln in ours.get("plugin_lines", []) if "warmed up" in ln],
                        tree_steps=st["tree_steps"], drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                        verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
-                       draft_ms=1000 * st["draft_s"] / max(st["steps"], 1), branch_by_depth=st.get("branch_by_depth"))
+                       draft_ms=1000 * st["draft_s"] / max(st["steps"], 1), branch_by_depth=st.get("branch_by_depth"),
+                       graph_tree_steps=st.get("graph_tree_steps"), tree_graph_buckets=(o.get("tree_graphs") or [None])[0])
             if bf16:
                 row.update(noise=v.noise, worst_margin_change=v.worst)
             else:  # identical: every token; lossless: partings only at ties the engine itself leaves open
@@ -253,7 +265,7 @@ def part_matrix(part: str, models: dict, archs: list, mixed: list, serve: bool, 
     ``soak_s`` is given. Everything is saved as it finishes (``SAVE``)."""
     cases = PARTS[part]
     jobs = [lambda a=a: arch_matrix(a, models[a], cases.get(a, cases["*"]), drafters,
-                                    models.get(SEPARATE_DRAFT.get(a))) for a in archs]
+                                    models.get(SEPARATE_DRAFT.get(a)), part in TREE_GRAPH_PARTS) for a in archs]
     jobs += [lambda a=a: SAVE.add("mixed", mixed_case(a, models[a], _prompts(models[a]))) for a in mixed]
     if serve:
         jobs.append(lambda: SAVE.set("serve", serve_case(models["llama"])))
@@ -362,9 +374,10 @@ class Saver:
         """Keep an earlier run's results (each tagged with its commit) except those this run redoes:
         rows of ``archs`` x ``drafters`` with this part's cases, the mixed cases of ``mixed``, serve, soak."""
         commit, cases = earlier.get("commit"), PARTS[self.part]
-        redo = {(a, dt, g, d) for a in archs for dt, g in cases.get(a, cases["*"]) for d in drafters}
+        tg = self.part in TREE_GRAPH_PARTS
+        redo = {(a, dt, g, d, tg) for a in archs for dt, g in cases.get(a, cases["*"]) for d in drafters}
         for r in earlier.get("rows", []):
-            if (r["arch"], r["dtype"], r["cuda_graphs"], r["drafter"]) not in redo:
+            if (r["arch"], r["dtype"], r["cuda_graphs"], r["drafter"], r.get("tree_graphs", False)) not in redo:
                 self.data["rows"].append(dict(r, commit=r.get("commit", commit)))
         for key, arch_key, redone in (("mixed", "arch", mixed), ("sampling", "arch", archs)):
             self.data.setdefault(key, []).extend(dict(x, commit=x.get("commit", commit)) for x in earlier.get(key, [])
@@ -415,7 +428,7 @@ SAVE = Saver()
 
 
 def _row_line(r: dict) -> str:
-    return (f"{r['arch']:17s} {r['dtype']:9s} {r['drafter']:12s} graphs={r['cuda_graphs']!s:5s} "
+    return (f"{r['arch']:17s} {r['dtype']:9s} {r['drafter']:12s} graphs={'tree' if r.get('tree_graphs') else r['cuda_graphs']!s:5s} "
             f"identical={r['identical']!s:5s} acc={r.get('mean_accepted') or 0:.2f} "
             f"step={r.get('step_ms') or 0:.2f}ms ar={r.get('ar_step_ms') or 0:.2f}ms {r.get('error', '')[-600:]}")
 
