@@ -415,7 +415,8 @@ stage_treegraphs() {  # issue 13 item 3: the vLLM matrix with every tree step fr
     project
     prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
     timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part treegraphs --deadline 520 --no-mixed \
-        $(printf -- "--arch %s " ${TREEGRAPH_ARCHS:-}) --prior "$prior" > "$OUT/vllm_gpu_e2e_treegraphs.log" 2>&1
+        ${TREEGRAPH_ARCHS:+$(printf -- "--arch %s " $TREEGRAPH_ARCHS)} --prior "$prior" \
+        > "$OUT/vllm_gpu_e2e_treegraphs.log" 2>&1
     cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null
     tail -24 "$OUT/vllm_gpu_e2e_treegraphs.log" | cut -c1-200
 }
