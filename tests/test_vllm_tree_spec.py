@@ -130,7 +130,7 @@ def test_kv_cache_leaves_room_for_tree_buffers(engines):
     m = re.search(r"([\d.]+) GiB of the KV cache's ([\d.]+) GiB .* ([\d.]+) MiB for the recurrent layers' pending "
                   r"paths \((\d+) rows\)", found[0])
     aside, cache, pending_mib, rows = float(m[1]), float(m[2]), float(m[3]), int(m[4])
-    assert 0 < pending_mib and aside < 0.05 * cache and rows % 2 == 1, found[0]
+    assert 0 < pending_mib and aside < 0.05 * cache and rows >= 2, found[0]
 
 
 def _with_fault(engines, models, arch: str, fault: str):

@@ -155,7 +155,7 @@
 # failure of that path first: run it before the matrix, with the first pieces (`parts graphs`, carrying pieces
 # 00-02 + pair.sha256 + .pair/tiny: ~60 of the 64 MiB). Then, before `costprof`: TREE_GRAPHS=1 PROFILE_BATCHES=128
 # `profile` (the pair at batch 128 in lockstep, ~4 min: the steady tree step's split at c = 128). The pending paths are
-# now a few MiB (rows per request, f43e755): the engines' "set aside for tree steps" line says how much; the KV
+# now small (one row per request, f43e755): the engines' "set aside for tree steps" line says how much; the KV
 # cache grows 14-19% at equal gpu_memory_utilization; TREE_GRAPHS=1 COST_MODES=bole_tree COST_GPU_MEM=0.9 `cost`
 # is the open 8B-shape check at vLLM's default memory share. New stage `treegraphs` (~9 min, every architecture's
 # matrix rows with whole tree-step graphs, rows marked `tree_graphs`): the evidence to make them the default.

@@ -143,9 +143,9 @@ class TreeRunnerMixin:
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
-        # the recurrent layers' pending-path rows: one per request in a tree step or holding a stashed path (at
-        # most twice max_num_seqs while preempted requests await their flush), row 0 for padding and warm-up
-        self._bole_num_rows = 2 * self.scheduler_config.max_num_seqs + 1
+        # the recurrent layers' pending-path rows: one per request of the step's trees (the others' paths are
+        # flushed and their rows freed before the step's rows are handed out), row 0 for padding and warm-up
+        self._bole_num_rows = self.scheduler_config.max_num_seqs + 1
         self._bole_rows: dict[str, int] = {}  # req -> its row
         self._bole_free_rows = list(range(self._bole_num_rows - 1, 0, -1))
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, split_piecewise_steps=0,
@@ -401,9 +401,10 @@ class TreeRunnerMixin:
         assert spec_md is None, "vllm-bole: the model-side config must not carry vLLM's speculative config"
         self._bole_install_layers()
         self._bole_stats["steps"] += 1
+        ib = self.input_batch  # _may_reorder_batch put the step's tree requests last
+        self._bole_flush_pending(exclude=set(ib.req_ids[ib.num_reqs - self._bole_num_trees: ib.num_reqs]))
         step, pos, tree_logits = self._bole_build_step(scheduler_output, num_scheduled_tokens)
         self._bole_step_kind = "plain" if step is None else "trees" if step.num_plain == 0 else "mixed"
-        self._bole_flush_pending(exclude=set(step.req_ids) if step is not None else set())
         self._bole_step = step
         plain = step.num_plain if step is not None else self.input_batch.num_reqs
         qsl = self.query_start_loc.np[: plain + 1]
@@ -757,7 +758,7 @@ class TreeRunnerMixin:
         """``rid``'s pending-path row: its own, or a free one from now on."""
         row = self._bole_rows.get(rid)
         if row is None:
-            if not self._bole_free_rows:  # at most max_num_seqs in a step + max_num_seqs awaiting their flush
+            if not self._bole_free_rows:  # a step has at most max_num_seqs trees
                 raise RuntimeError(f"vllm-bole: no free pending-path row of {self._bole_num_rows}")
             row = self._bole_rows[rid] = self._bole_free_rows.pop()
         return row
