@@ -153,7 +153,8 @@
 # vLLM's piecewise graphs (`split_piecewise_steps` must be > 0 at c >= 8) and their drafts are launched behind the
 # verification (`chained_drafts` = `tree_steps`); the `graphs` smoke now has split steps (`--waves 2`) and shows a
 # failure of that path first: run it before the matrix, with the first pieces (`parts graphs`, carrying pieces
-# 00-02 + pair.sha256 + .pair/tiny: ~60 of the 64 MiB). Then, before `costprof`: TREE_GRAPHS=1 PROFILE_BATCHES=128
+# 00-02 + pair.sha256 + .pair/tiny: ~60 of the 64 MiB); if the piecewise prompt rows fail there, run the rest of the
+# stay with VLLM_BOLE_SPLIT_PIECEWISE=0 (those rows eager, as at ebdbbaa) and bring the log home. Then, before `costprof`: TREE_GRAPHS=1 PROFILE_BATCHES=128
 # `profile` (the pair at batch 128 in lockstep, ~4 min: the steady tree step's split at c = 128). The pending paths are
 # now small (one row per request, f43e755): the engines' "set aside for tree steps" line says how much; the KV
 # cache grows 14-19% at equal gpu_memory_utilization; TREE_GRAPHS=1 COST_MODES=bole_tree COST_GPU_MEM=0.9 `cost`

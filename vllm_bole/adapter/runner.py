@@ -516,14 +516,20 @@ class TreeRunnerMixin:
     def _bole_plain_graph(self, num_tokens: int):
         """vLLM's CUDA-graph mode and batch descriptor for a forward of a split step's ``num_tokens`` plain rows:
         its piecewise graphs where it captured a size that holds them (the descriptor's ``num_tokens``, padded),
-        else eager. Never a FULL graph (its attention metadata would have to be padded too).
+        else eagerly (always with ``VLLM_BOLE_SPLIT_PIECEWISE=0``). Never a FULL graph (its attention metadata
+        would have to be padded too).
 
         Decision: until the matrix at ebdbbaa the plain rows ran eagerly, ~10 ms a split step on the H200 for
         the 70M pair (the forward 1.8 / 4.3 / 6.2 ms a tree step at c = 8 / 32 / 128 with 12-45% of the steps
         split, against 0.5 ms at c = 1, where none is): launch-bound, where AR runs the same rows from these
         graphs. Padding rows are vLLM's own: KV slot -1, attention and recurrent metadata of the real rows."""
         from vllm.config import CUDAGraphMode
+        from vllm.forward_context import BatchDescriptor
 
+        from vllm_bole.adapter.tree_graphs import split_piecewise
+
+        if not split_piecewise():  # VLLM_BOLE_SPLIT_PIECEWISE=0
+            return CUDAGraphMode.NONE, BatchDescriptor(num_tokens=num_tokens)
         return self.cudagraph_dispatcher.dispatch(num_tokens=num_tokens, uniform_decode=False,
                                                   invalid_modes={CUDAGraphMode.FULL})
 

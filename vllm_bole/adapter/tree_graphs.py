@@ -47,6 +47,9 @@ from vllm_bole.transfer import pack, unpack
 
 logger = logging.getLogger("vllm_bole")
 GRAPHS_ENV = "VLLM_BOLE_TREE_GRAPHS"
+# "0": a split step's prompt rows run eagerly, not from vLLM's piecewise graphs (the runner's
+# ``_bole_plain_graph``; a switch while that path has not run on the H200)
+SPLIT_PIECEWISE_ENV = "VLLM_BOLE_SPLIT_PIECEWISE"
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # without vLLM's capture sizes (CPU)
 # token buckets beyond vLLM's largest capture size (512 by default): trees of many requests (128 x 33 nodes;
 # on the H200 at 198194b the steps of 128 x 17 nodes, past the former 2048, ran piecewise: 38 ms a forward
@@ -57,6 +60,10 @@ WORDS = (MAX_NODES + 31) // 32
 
 def enabled() -> bool:
     return os.environ.get(GRAPHS_ENV, "0") == "1"
+
+
+def split_piecewise() -> bool:
+    return os.environ.get(SPLIT_PIECEWISE_ENV, "1") != "0"
 
 
 def plan(max_requests: int, nodes: int, capture_sizes) -> list[tuple[int, int]]:
