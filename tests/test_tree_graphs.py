@@ -131,3 +131,21 @@ def test_gdn_step_on_the_padded_step_equals_the_step(kernels):
     got = gdn_tree_step(q, k, v, g, beta, s.tree, state, s.state_slots[0], kernels=kernels)
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[1:], ref_state[1:])
+
+
+def test_split_steps_ask_vllm_for_piecewise_graphs_unless_switched_off(monkeypatch):
+    """A split step's prompt rows (``TreeRunnerMixin._bole_plain_graph``): vLLM's dispatcher decides, full graphs
+    excluded; ``VLLM_BOLE_SPLIT_PIECEWISE=0`` runs them eagerly, unpadded."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from vllm_bole.adapter.runner import TreeRunnerMixin
+
+    asked = []
+    runner = SimpleNamespace(cudagraph_dispatcher=SimpleNamespace(dispatch=lambda **kw: asked.append(kw) or "vllm's"))
+    assert TreeRunnerMixin._bole_plain_graph(runner, 37) == "vllm's"
+    assert asked == [dict(num_tokens=37, uniform_decode=False, invalid_modes={CUDAGraphMode.FULL})]
+    monkeypatch.setenv("VLLM_BOLE_SPLIT_PIECEWISE", "0")
+    mode, desc = TreeRunnerMixin._bole_plain_graph(runner, 37)
+    assert mode == CUDAGraphMode.NONE and desc.num_tokens == 37 and len(asked) == 1
