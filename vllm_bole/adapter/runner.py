@@ -146,8 +146,7 @@ class TreeRunnerMixin:
         # the recurrent layers' pending-path rows: one per request of the step's trees (the others' paths are
         # flushed and their rows freed before the step's rows are handed out), row 0 for padding and warm-up
         self._bole_num_rows = self.scheduler_config.max_num_seqs + 1
-        self._bole_rows: dict[str, int] = {}  # req -> its row
-        self._bole_free_rows = list(range(self._bole_num_rows - 1, 0, -1))
+        self._bole_reset_rows()
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, split_piecewise_steps=0,
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
@@ -317,8 +316,7 @@ class TreeRunnerMixin:
         # at start-up: an unsupported layer fails here, before any request; maps follow the new KV config
         self._bole_install_layers(refresh=True)
         self._bole_pending_slots.clear()
-        self._bole_rows.clear()
-        self._bole_free_rows = list(range(self._bole_num_rows - 1, 0, -1))
+        self._bole_reset_rows()
         return out
 
     def _update_states(self, scheduler_output):
@@ -760,6 +758,11 @@ class TreeRunnerMixin:
             if not torch.equal(want.long(), got.long().to(want.device)):
                 raise RuntimeError("vllm-bole: vLLM's slot mapping for the tree tokens is not the tree slot mapping")
 
+    def _bole_reset_rows(self) -> None:
+        """Every pending-path row free (row 0 is never handed out)."""
+        self._bole_rows: dict[str, int] = {}  # req -> its row
+        self._bole_free_rows = list(range(self._bole_num_rows - 1, 0, -1))
+
     def _bole_row(self, rid: str) -> int:
         """``rid``'s pending-path row: its own, or a free one from now on."""
         row = self._bole_rows.get(rid)
@@ -827,6 +830,7 @@ class TreeRunnerMixin:
             return
         W = 0 if pending is None else int(pending[0].shape[1])
         discard = self.discard_request_mask.np[:n]
+        qsl = self.query_start_loc.np
         roots, hists, depths = [], [], []
         for i, rid in enumerate(req_ids):
             state = self.requests.get(rid)
@@ -837,7 +841,6 @@ class TreeRunnerMixin:
                 continue
             num = int(ib.num_tokens_no_spec[i])
             if pending is not None:  # what the step fed up to the root: a tree's root, a plain row's last token
-                qsl = self.query_start_loc.np
                 num = int(ib.num_computed_tokens_cpu[i]) + (int(qsl[i + 1] - qsl[i]) if i < plain else 1)
             hist = ib.token_ids_cpu[i, :num]  # a view: drafters copy what they keep
             roots.append(int(hist[-1]))

@@ -39,11 +39,11 @@ def _prep_qk(x, Hv, use_qk_l2norm, dtype):
     return x.repeat_interleave(Hv // x.shape[-2], dim=-2)
 
 
-def step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, pending_idx=None):
+def step_torch(q, k, v, g, beta, tree, state, state_idx, pending, scale, use_qk_l2norm, pending_idx):
     Hv = state.shape[1]
     dt = torch.float64 if state.dtype == torch.float64 else torch.float32
     slots = state_idx.long()
-    live = live_pending(pending, slots, slots if pending_idx is None else pending_idx) if pending is not None else None
+    live = live_pending(pending, slots, pending_idx) if pending is not None else None
     if live is not None:
         sl, pr, m, valid = live
         P = valid.shape[1]

@@ -28,12 +28,12 @@ def _chunks(total: int, per: int):
     return [slice(c, min(c + step, total)) for c in range(0, total, step)]
 
 
-def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, pending_idx=None):
+def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, z, dt_bias, dt_softplus, pending_idx):
     ft = torch.float64 if state.dtype == torch.float64 else torch.float32
     Dn, N = state.shape[1:]
     A = A.to(ft)
     slots = state_idx.long()
-    live = live_pending(pending, slots, slots if pending_idx is None else pending_idx) if pending is not None else None
+    live = live_pending(pending, slots, pending_idx) if pending is not None else None
     if live is not None:
         sl, pr, m, valid = live  # [b], [b], [b], [b, L]
         v = valid[..., None]

@@ -24,13 +24,13 @@ def dt_effective(dt, dt_bias, dt_softplus, dt_limit, dtype):
     return d.clamp(min=dt_limit[0], max=dt_limit[1])
 
 
-def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, pending_idx=None):
+def step_torch(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, pending_idx):
     H = state.shape[1]
     ft = torch.float64 if state.dtype == torch.float64 else torch.float32
     A = A.to(ft)[None, :, None]  # [1, H, 1]
     slots = state_idx.long()
     heads = lambda t: t.repeat_interleave(H // t.shape[-2], dim=-2)  # noqa: E731  groups -> heads
-    live = live_pending(pending, slots, slots if pending_idx is None else pending_idx) if pending is not None else None
+    live = live_pending(pending, slots, pending_idx) if pending is not None else None
     if live is not None:
         sl, pr, m, valid = live
         xp = pending_rows(pending.x[pr], valid, ft)  # [b, H, L, P]
