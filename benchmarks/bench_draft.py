@@ -1,6 +1,6 @@
 """Drafting speed: the paged in-engine draft model (``spec_decode/paged_draft.py``; eager and with
 each step one CUDA graph replay; and drafting trees node by node, ``paged_tree_draft.py``, beam 2
-and 4) against the transformers drafter (``spec_decode/draft_model.py``, what the runner used
+and 4, each step one CUDA graph replay, ``_eager`` without) against the transformers drafter (``spec_decode/draft_model.py``, what the runner used
 before), same process, same draft, same histories.
 
 Draft: a Llama of the trained pair's draft shape (hidden 256, 2 layers, 4 heads, SmolLM2's 49152-token
@@ -179,8 +179,10 @@ def main() -> None:
         graphs = dev == "cuda"
         for g in ((False, True) if graphs else (False,)):
             kinds[f"paged_{'graphs' if g else 'eager'}"] = PagedDraftModel(path, cuda_graphs=g, **common)
-        for beam in (2, 4):
-            kinds[f"paged_tree_beam{beam}"] = PagedTreeDraftModel(path, beam=beam, **common)
+        for beam in (2, 4):  # node by node: the step graph (CUDA), and eagerly, its baseline
+            for g in ((True, False) if graphs else (False,)):
+                kinds[f"paged_tree_beam{beam}{'' if g else '_eager'}"] = PagedTreeDraftModel(path, beam=beam, cuda_graphs=g,
+                                                                                             **common)
         # the runner's whole drafting; "_twins": the draft forward's own ops (decoder glue, top-k) as their torch
         # twins, the A/B of their Triton launches in this process
         modes = {"paged_trees_host": "host", "paged_trees_device": "device", "paged_trees_device_twins": "device"}
@@ -198,6 +200,9 @@ def main() -> None:
                         checks.append(dict(batch=B, drafter=k, fp32_equal_to_transformers=ok))
                 # the host search reads the same values: equal; the twin ops round in another order (RMSNorm's and
                 # the log-sum-exp's sums), so a near-tie among the candidates may flip: the share of equal trees
+                for beam in (2, 4) if graphs else ():  # the same search in the graph and eagerly: near-ties may flip
+                    checks.append(dict(batch=B, drafter=f"paged_tree_beam{beam}", fp32_trees_same_frac_graph_vs_eager=same_trees(
+                        *([s.tree() for s in res[f"paged_tree_beam{beam}{e}"][1]] for e in ("", "_eager")))))
                 checks.append(dict(batch=B, drafter="paged_trees_device",
                                    fp32_trees_equal_to_host_search=same_trees(res["paged_trees_device"][1],
                                                                               res["paged_trees_host"][1]) == 1.0,

@@ -52,7 +52,7 @@ from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
 
 __all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search", "level_search_packed",
-           "root_only_packed", "unpack_slots"]
+           "packed_children", "packed_level", "packed_trees", "root_only_packed", "search_state", "unpack_slots"]
 # per-depth candidates: the priority-queue search up to this many slots in the batch (B * (largest
 # budget + 1)), the level-wise numpy search above. best_first_tree, depth 6, 16 candidates, budget 16,
 # on a 2-core Xeon: 0.59 against 0.82 ms at 1 request, 0.99 against 1.14 ms at 8; equal near 270
@@ -356,6 +356,8 @@ EMPTY_SLOT = dict(valid=0.0, token=0.0, parent=-1.0, depth=0.0, kind=0.0, logrho
 ROOT_SLOT = dict(EMPTY_SLOT, valid=1.0, logrho=0.0, qprob=1.0)
 # a free slot inside the level search: depth -1 (never a frontier), score -inf (sorted after every node)
 FREE_SLOT = dict(EMPTY_SLOT, depth=-1.0)
+# the packed search state's fields (PACKED_FIELDS without "valid"), by index
+S_TOK, S_PAR, S_DEP, S_KIND, S_LOG, S_Q = range(6)
 
 
 def root_only_packed(root: torch.Tensor, slots: int, empty: torch.Tensor | None = None) -> torch.Tensor:
@@ -407,50 +409,92 @@ def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tenso
     per level and step instead of one per field). ``kernels``: after the scores, every level in one
     launch (``csrc_triton.level_search``, equal trees) or this function's own loop (its torch twin)."""
     B, L, c = prob.shape
-    dev, S, M = prob.device, int(slots), int(slots) * (1 + c)
-    TOK, PAR, DEP, KIND, LOG, Q = range(6)  # PACKED_FIELDS without "valid"
+    dev, S = prob.device, int(slots)
     vals = prob.float()
-    col = torch.arange(c, device=dev)
-    kinds = (torch.where(col == 0, 0, 1), torch.full((c,), 2, device=dev))
-    logs = []
-    for k in kinds:  # [B, L, c] of a main-path parent, then of any other (grow's scores)
-        f = calibration.float()[1: L + 1][:, k]
-        scaled = torch.minimum(vals * f[None], torch.ones((), device=dev)).cummin(-1).values
-        logs.append(torch.where(vals > 0, scaled, vals).double().log())
     if use_triton(kernels, prob):
         from csrc_triton.level_search import level_search_triton
 
-        return level_search_triton(root, logs[0], logs[1], tok.double(), vals.double(), caps, S)
-    # free slots (FREE_SLOT) instead of per-level masks and counts: few kernels per level (the draft's step
-    # graph is bound by its kernel count on the H200)
-    free = _slot(FREE_SLOT, dev)
-    st = root_only_packed(root, S, free)[..., 1:]  # [B, S, 6]: the fields after "valid"
-    base = free[1:].expand(B, S + 1, 6)  # the next level's slots before the kept nodes land (the last: a dump)
+        col = torch.arange(c, device=dev)
+        f = calibration.float()[1: L + 1]  # [L, 3]: the children's factors of a main parent, then of any other
+        main, other = (_log_scores(vals, f[:, k][None]) for k in (torch.where(col == 0, 0, 1), torch.full_like(col, 2)))
+        return level_search_triton(root, main, other, tok.double(), vals.double(), caps, S)
+    st = search_state(root, S)
     keep_n = (caps.long() + 1)[:, None]
-    pslot = torch.arange(S, device=dev).double()[None, :, None]
-    ckind = torch.stack(kinds).double()  # [2, c]: a main parent's children, any other's
-    cdepth = torch.arange(1, L + 1, device=dev).double()
-    positions = torch.arange(M, device=dev)[None].expand(B, M)
-    minus1 = torch.full((B, 1), -1, dtype=torch.long, device=dev)  # the new slot of "no parent"
-    has, tokd, valsd = vals > 0, tok.double(), vals.double()
-    for d in range(L):
-        front = st[..., DEP] == d
-        main = (st[..., KIND] == 0)[:, :, None]
-        cvalid = front[:, :, None] & has[:, d, None]
-        clog = torch.where(cvalid, st[..., LOG, None] + torch.where(main, logs[0][:, d, None], logs[1][:, d, None]),
-                           -math.inf)
-        child = torch.stack(torch.broadcast_tensors(tokd[:, d, None], pslot, cdepth[d], torch.where(main, *ckind),
-                                                    clog, valsd[:, d, None]), -1)  # [B, S, c, 6]
-        cand = torch.cat([st, child.view(B, S * c, 6)], 1)  # the kept nodes, then the children by (parent, rank)
-        order = cand[..., LOG].neg().sort(dim=1, stable=True).indices  # free slots and no-children last (+inf)
-        rank = torch.empty_like(order).scatter_(1, order, positions)
-        keep = (rank < keep_n) & (cand[..., LOG] > -math.inf)
-        newpos = keep.cumsum(1, dtype=torch.long) - 1
-        # the parent's slot before this level -> after it (-1 stays -1)
-        cand[..., PAR] = torch.cat([minus1, newpos[:, :S]], 1).gather(1, cand[..., PAR].long() + 1).double()
-        st = base.clone().scatter_(1, torch.where(keep, newpos, S)[..., None].expand(B, M, 6), cand)[:, :S]
-    valid = st[..., DEP] >= 0
-    return torch.cat([valid.double()[..., None], torch.where(valid[..., None], st, _slot(EMPTY_SLOT, dev)[1:])], -1)
+    every = torch.arange(S, device=dev).expand(B, S)
+    for d in range(L):  # every slot a parent: the depth-d ones get the row's depth-d candidates
+        val = torch.where((st[..., S_DEP] == d)[..., None], vals[:, d, None], 0.0)
+        st = packed_level(st, packed_children(st, every, tok[:, d, None].expand(B, S, c), val, d + 1, calibration),
+                          keep_n)
+    return packed_trees(st)
+
+
+def _log_scores(prob: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """float64 logs of :func:`grow`'s child scores, ``min(f q, 1)`` made non-increasing along the siblings
+    (the last axis), of probabilities ``prob`` (float32; ``<= 0``: no child, its log not a number) and
+    factors ``factor`` (broadcast to ``prob``)."""
+    scaled = torch.minimum(prob * factor, torch.ones((), device=prob.device)).cummin(-1).values
+    return torch.where(prob > 0, scaled, prob).double().log()
+
+
+def search_state(root: torch.Tensor, slots: int, extra: int = 0) -> torch.Tensor:
+    """The packed search's state ``[B, slots, 6 + extra]`` float64 holding the roots (``root`` [B]) alone: the
+    fields of :data:`PACKED_FIELDS` after "valid" (:data:`S_TOK` ..), then ``extra`` of the caller's (-1);
+    the other slots free (:data:`FREE_SLOT`: depth -1, never a frontier; logrho -inf, sorted after every
+    node, instead of per-level masks and counts: few kernels per level, the draft's step graph is bound
+    by its kernel count on the H200). Graph-safe."""
+    st = root_only_packed(root, slots, _slot(FREE_SLOT, root.device))[..., 1:]
+    return torch.cat([st, st.new_full((*st.shape[:2], extra), -1.0)], -1)
+
+
+def packed_children(st: torch.Tensor, pslot: torch.Tensor, tok: torch.Tensor, prob: torch.Tensor, depth: int,
+                    calibration: torch.Tensor) -> torch.Tensor:
+    """The candidate children of the nodes at slots ``pslot`` [B, F] of the search state ``st`` [B, S, n]:
+    tokens / probabilities ``[B, F, c]`` (most probable first; ``<= 0``: no child) -> ``[B, F * c, n]``
+    in :func:`grow`'s candidate order with its kinds and scores (a main parent's first child main, its
+    later ones branch, any other parent's off; ``min(f q, 1)`` non-increasing along siblings, ``f`` the
+    ``calibration`` [MAX_DEPTH + 1, 3] factor of the children's ``depth`` and kind), the caller's fields -1."""
+    B, F, c = prob.shape
+    par = st.gather(1, pslot[..., None].expand(B, F, st.shape[-1]))
+    col = torch.arange(c, device=st.device)
+    kind = torch.where((par[..., S_KIND] == 0)[..., None], (col > 0).long(), 2)  # [B, F, c]
+    val = prob.float()
+    log = torch.where(val > 0, par[..., S_LOG, None] + _log_scores(val, calibration.float()[depth][kind]), -math.inf)
+    fields = torch.broadcast_tensors(tok.double(), pslot.double()[..., None], torch.full((), float(depth), dtype=torch.float64,
+                                     device=st.device), kind.double(), log, val.double(),
+                                     *[torch.full((), -1.0, dtype=torch.float64, device=st.device)] * (st.shape[-1] - 6))
+    return torch.stack(fields, -1).view(B, F * c, st.shape[-1])
+
+
+def packed_level(st: torch.Tensor, child: torch.Tensor, keep_n: torch.Tensor) -> torch.Tensor:
+    """One level of the packed search (:func:`grow`'s selection and compaction with fixed shapes): the
+    kept nodes ``st`` [B, S, F] (fields ``token, parent, depth, kind, logrho, qprob``, then any of the
+    caller's; free slots: depth -1, logrho -inf) and the level's candidate children ``child`` [B, M, F]
+    in :func:`grow`'s candidate order (by parent slot, then rank; ``parent`` = the parent's slot before
+    this level; logrho -inf: no child) -> the next level's kept nodes [B, S, F]: per row the ``keep_n``
+    [B, 1] best by (logrho desc, position asc) in candidate order, parents renumbered, free slots after."""
+    B, S, F = st.shape
+    M = S + child.shape[1]
+    dev = st.device
+    cand = torch.cat([st, child], 1)  # the kept nodes, then the children
+    order = cand[..., S_LOG].neg().sort(dim=1, stable=True).indices  # free slots and no-children last (+inf)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(M, device=dev)[None].expand(B, M))
+    keep = (rank < keep_n) & (cand[..., S_LOG] > -math.inf)
+    newpos = keep.cumsum(1, dtype=torch.long) - 1
+    # the parent's slot before this level -> after it (-1 stays -1)
+    minus1 = torch.full((B, 1), -1, dtype=torch.long, device=dev)
+    cand[..., S_PAR] = torch.cat([minus1, newpos[:, :S]], 1).gather(1, cand[..., S_PAR].long() + 1).double()
+    free = search_state(torch.zeros(1, dtype=torch.long, device=dev), 2, F - 6)[0, 1]  # a free slot
+    return free.expand(B, S + 1, F).clone().scatter_(1, torch.where(keep, newpos, S)[..., None].expand(B, M, F),
+                                                     cand)[:, :S]
+
+
+def packed_trees(st: torch.Tensor) -> torch.Tensor:
+    """The search state ``st`` [B, S, >= 6] (:func:`packed_level`'s) -> ``[B, S, PACKED_FIELDS]``: valid
+    first, the caller's extra fields dropped, empty slots :data:`EMPTY_SLOT`."""
+    st = st[..., :6]
+    valid = st[..., S_DEP] >= 0
+    return torch.cat([valid.double()[..., None], torch.where(valid[..., None], st, _slot(EMPTY_SLOT, st.device)[1:])],
+                     -1)
 
 
 def _child_logs(prob: np.ndarray, calibration) -> tuple[np.ndarray, np.ndarray]:

@@ -238,7 +238,7 @@ class PagedDraftModel:
         # the search's candidates per request and level; wider searches stay on the host (device memory)
         self.device_search = self.slots * (1 + self.top_k) <= SEARCH_WIDTH
         self._root_only = root_only_packed(torch.zeros(1, dtype=torch.long), self.slots).numpy()  # [1, slots, F]
-        self.width = -(-(int(max_len) + self.depth + 1) // page_size)  # page-table entries per request
+        self.width = -(-(int(max_len) + self._scratch()) // page_size)  # page-table entries per request
         try:  # checks the loaded modules
             self.decoder = PagedDecoder(self.model, self.width * page_size, kernels)
         except NotImplementedError as e:
@@ -270,6 +270,15 @@ class PagedDraftModel:
         head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return 2 * config.num_hidden_layers * kv_heads * head * torch.empty(0, dtype=dtype).element_size()
+
+    def _scratch(self) -> int:
+        """Positions after a history that a step writes at most (its last tokens' slots, then the chain)."""
+        return self.depth + 1
+
+    def _extra(self, D: int, W: int) -> int:
+        """Positions a request reserves after its host history for a step of depth ``D`` with ``W`` pending
+        tokens (its junk beyond them lands on the trash page)."""
+        return D + W
 
     # ------------------------------------------------------------------ forward
     def _slots(self, table, kv_pos, req=None) -> torch.Tensor:
@@ -316,21 +325,26 @@ class PagedDraftModel:
             out_p[:, d] = p
             tok, pos = t[:, 0], pos + 1
 
-    def _step(self, bufs: dict, steps: int, max_kv_len: int) -> None:
-        """The graph body: every row's last ``count`` uncached tokens (``tok`` [B, S], junk after them:
-        its K/V lands at chain positions, scratch that the chain overwrites before reading) from
-        position ``start``, top-k at the last one into ``out_t`` / ``out_p`` [:, 0]; then ``steps``
-        chain steps into [:, 1:]; with the search's buffers then each row's best-first tree
-        (:func:`~vllm_bole.spec_decode.best_first.level_search_packed`: ``root``, ``caps`` draft nodes, depths
-        to ``dep``, ``cal`` factors) into ``tree`` [B, slots, PACKED_FIELDS]. Graph-safe: no host syncs,
-        fixed shapes."""
+    def _first(self, bufs: dict, max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's first forward: every row's last ``count`` uncached tokens (``tok`` [B, S], junk after
+        them: its K/V lands at scratch positions that later forwards overwrite before reading) from
+        position ``start``; (probabilities, tokens) [B, top_k] after the last one. Graph-safe."""
         B, S = bufs["tok"].shape
         dev = bufs["tok"].device
         pos = bufs["start"][:, None] + torch.arange(S, device=dev)
         keep = torch.arange(B, device=dev) * S + bufs["count"] - 1
         logits = self._forward(bufs["tok"].flatten(), pos.flatten(), bufs["start"], bufs["table"], bufs["mask"],
                                max_kv_len, keep=keep)
-        p, t = self._topk(logits)
+        return self._topk(logits)
+
+    def _step(self, bufs: dict, steps: int, max_kv_len: int) -> None:
+        """The graph body: :meth:`_first`'s top-k into ``out_t`` / ``out_p`` [:, 0]; then ``steps`` chain
+        steps into [:, 1:]; with the search's buffers then each row's best-first tree
+        (:func:`~vllm_bole.spec_decode.best_first.level_search_packed`: ``root``, ``caps`` draft nodes, depths
+        to ``dep``, ``cal`` factors) into ``tree`` [B, slots, PACKED_FIELDS]. Graph-safe: no host syncs,
+        fixed shapes."""
+        dev = bufs["tok"].device
+        p, t = self._first(bufs, max_kv_len)
         bufs["out_t"][:, 0], bufs["out_p"][:, 0] = t, p
         if steps:
             self._chain(t[:, 0], bufs["start"] + bufs["count"], bufs["table"], bufs["mask1"], steps, max_kv_len,
@@ -507,14 +521,14 @@ class PagedDraftModel:
                 or int(caps.max()) >= self.slots:
             if pending is not None:  # read now (a host search needs every token on the host)
                 roots, histories = with_pending(histories, pending)
-            found = best_first_slots(roots, self.propose(histories, depths, keys), caps, max_depth=max_depth,
-                                     top_k=top_k, calibration=calibration)
+            found = self._host_trees(roots, histories, depths, caps, keys=keys, max_depth=max_depth, top_k=top_k,
+                                     calibration=calibration)
             return lambda: found
         W = 0 if pending is None else int(pending[0].shape[1])
         if W > self.depth + 1:
             raise ValueError(f"pending: {W} tokens per request, at most depth + 1 = {self.depth + 1}")
         D = max(min(max((int(d) for d in depths), default=0), int(max_depth), self.depth), 0)
-        keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, D + W)
+        keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys, self._extra(D, W))
         root = np.zeros(B, dtype=np.int64) if pending is not None else np.asarray(roots, dtype=np.int64).reshape(-1)
         tree = self._root_only.repeat(B, 0)  # root-only trees, then the live rows' searches
         tree[:, 0, TOKEN] = root
@@ -543,6 +557,13 @@ class PagedDraftModel:
             return unpack_slots(torch.from_numpy(tree))
 
         return finish
+
+    def _host_trees(self, roots, histories: Sequence, depths: Sequence[int], caps: torch.Tensor, *, keys,
+                    max_depth: int, top_k: int | None, calibration: torch.Tensor | None) -> Slots:
+        """:meth:`grow_trees`' trees searched on the host (what the step cannot search): over :meth:`propose`'s
+        candidates."""
+        return best_first_slots(roots, self.propose(histories, depths, keys), caps, max_depth=max_depth, top_k=top_k,
+                                calibration=calibration)
 
     def _prefill(self, live, hists, keys, keep: int):
         """Every live request's uncached tokens but its last ``keep`` (at least one, the root, while
@@ -603,11 +624,11 @@ class PagedDraftModel:
 
     def _eager_step(self, live, hists, L, start, table, steps: int, search: dict | None = None, pending=None) -> dict:
         """:meth:`_step` of the live rows without a graph (keys up to the longest history, its pending
-        tokens and ``depth + 1`` scratch positions); returns its buffers."""
+        tokens and the step's scratch positions); returns its buffers."""
         bufs = self._buffers(len(live), steps, search is not None)
         self._fill(bufs, live, hists, L, start, table, search, pending)
         W = 0 if pending is None else pending[0].shape[1]
-        self._step(bufs, steps, int(L.max()) + W + self.depth + 1)
+        self._step(bufs, steps, int(L.max()) + W + self._scratch())
         return bufs
 
     def _catch_up(self, live, hists, keys):
@@ -624,7 +645,7 @@ class PagedDraftModel:
         on CUDA one graph replay per batch bucket. Returns the callable that reads its results: [n, D, K]
         tokens and probabilities (CPU), or with ``search`` the trees ``[n, slots, PACKED_FIELDS]`` (numpy)."""
         L, start, table = self._prefill(live, hists, keys, 0 if pending is not None else self.depth + 1)
-        if self.cuda_graphs:
+        if self.cuda_graphs and self._graphs_answer(search):
             try:
                 return self._replay(live, hists, L, start, table, D, search, pending)
             except RuntimeError as e:
@@ -632,6 +653,10 @@ class PagedDraftModel:
         bufs = self._eager_step(live, hists, L, start, table, D - 1, search, pending)
         got = self._read(bufs, len(live), D, search)()
         return lambda: got
+
+    def _graphs_answer(self, search: dict | None) -> bool:
+        """Whether the step graphs answer a call with (``search``) or without a search (they run both)."""
+        return True
 
     @staticmethod
     def _read(bufs: dict, n: int, D: int, search: dict | None) -> Callable:

@@ -1,31 +1,41 @@
 """The paged draft model drafting trees node by node: every node's children come from the draft's
 distribution after that node's own path, not from one candidate row per depth of the greedy chain.
 
-Best-first search (:func:`~vllm_bole.spec_decode.best_first.grow`, the runtime builder's search,
-calibration included) with the draft as its expansion: after the catch-up (the roots' children,
-:meth:`PagedDraftModel._catch_up`), each depth level's ``beam`` best frontier nodes of every request
-go through ONE draft forward. A request's expanded nodes get KV slots ``len(history) + j`` in
-expansion order (``j`` = their draft index, kept in the search state's ``row``); their queries
-attend to the history and, through ``tree_attention``'s ``num_keys``, to the request's earlier
-expanded nodes by ancestor bits (an expanded node: its parent's bits and its own). The pages hold
-``len(history) + beam * (depth - 1)`` tokens per request; the tree's K/V are scratch, as the chain's.
+Best-first search (:func:`~vllm_bole.spec_decode.best_first.grow` with ``beam``, the runtime builder's
+search, calibration included) with the draft as its expansion: after the step's first forward (the
+roots' children, as the chain drafter's), each depth level's ``beam`` best frontier nodes of every
+request go through ONE draft forward. Their queries attend to the history and, through
+``tree_attention``'s ``num_keys``, to the request's earlier expanded nodes by ancestor bits (an expanded
+node: its parent's bits and its own).
+
+In the step (:meth:`PagedTreeDraftModel._levels`, issue 16 item 1): fixed shapes, the search on the
+device in the packed state of :func:`~vllm_bole.spec_decode.best_first.level_search_packed`
+(:func:`~vllm_bole.spec_decode.best_first.packed_level`), so the whole drafting (first forward,
+``depth - 1`` levels of ``B * beam`` tokens, the search) is ONE CUDA graph replay per batch bucket, as
+the chain drafter's step; level ``d``'s lane ``i`` is expansion row ``j = (d - 1) * beam + i``, its K/V at
+position ``len(history) + j``; a request with fewer frontier nodes than ``beam`` (or past its own depth)
+computes junk rows that write to the trash page and get no children. Outside what the step searches (a
+budget over ``max_budget``, a smaller ``top_k``, a search wider than ``SEARCH_WIDTH``) the host runs the
+same search (:meth:`PagedTreeDraftModel._host_trees`), one eager forward per level of the frontier nodes
+alone (rows ``j`` in expansion order). The pages hold ``len(history) + beam * (depth - 1)`` tokens per
+request; the tree's K/V are scratch, as the chain's.
 
 Measured offline (``benchmarks/acceptance_quality.py``, a draft head on SmolLM2-135M): drafting
 node by node accepts 9% more tokens per step than the same draft's chain candidates at 32 nodes,
-16% at 64. It costs ``depth - 1`` draft forwards of up to ``beam`` tokens per request (the chain:
-one token), run eagerly (the frontier's shape changes every level; the chain drafter's steps replay
-a CUDA graph). Engine-agnostic; ``draft_beam`` in the engine config selects it.
+16% at 64. It costs ``depth - 1`` draft forwards of ``beam`` tokens per request (the chain: one
+token). Engine-agnostic; ``draft_beam`` in the engine config selects it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from vllm_bole.spec_decode.best_first import Slots, budgets, grow
-from vllm_bole.spec_decode.paged_draft import WORDS, PagedDraftModel, with_pending
+from vllm_bole.spec_decode.best_first import (S_DEP, S_LOG, S_PAR, S_TOK, Slots, grow, packed_children, packed_level,
+                                              packed_trees, search_state)
+from vllm_bole.spec_decode.paged_draft import WORDS, PagedDraftModel
 from vllm_bole.spec_decode.tree import MAX_NODES
 
 __all__ = ["PagedTreeDraftModel"]
@@ -42,41 +52,97 @@ class _Frontier:
 
 
 class PagedTreeDraftModel(PagedDraftModel):
-    """A :class:`~vllm_bole.spec_decode.candidates.TreeDrafter`: :meth:`grow_trees` (arguments as
-    :class:`PagedDraftModel`, plus ``beam``: frontier nodes expanded per request and depth)."""
+    """A :class:`~vllm_bole.spec_decode.candidates.TreeDrafter` (:meth:`grow_trees` /
+    :meth:`grow_trees_async`, arguments as :class:`PagedDraftModel`'s, plus ``beam``: frontier nodes
+    expanded per request and depth)."""
 
     def __init__(self, *args, beam: int = 4, **kwargs):
-        super().__init__(*args, cuda_graphs=False, **kwargs)
-        if not 1 <= beam or beam * max(self.depth - 1, 1) > MAX_NODES:
+        depth = int(kwargs["depth"])
+        if not 1 <= beam or beam * max(depth - 1, 1) > MAX_NODES:
             raise ValueError(f"draft_beam: {beam} must be >= 1 with draft_beam * (max_depth - 1) <= {MAX_NODES}")
         self.beam = int(beam)
+        super().__init__(*args, **kwargs)
 
     @property
     def runtime(self) -> str:
-        return f"paged tree, {self.beam} frontier nodes per depth ({self.pool.num_pages} pages of " \
-               f"{self.pool.page_size}, eager)"
+        return f"{super().runtime}, trees node by node, {self.beam} frontier nodes per depth"
 
-    def grow_trees_async(self, roots, histories, *args, pending=None, **kwargs):
-        """:meth:`grow_trees` now (node by node: each depth's forward waits for the previous depth's
-        search), its result returned by the callable (the interface of the per-depth drafter's; ``pending``
-        tokens on the device are read first)."""
-        if pending is not None:
-            roots, histories = with_pending(histories, pending)
-        found = self.grow_trees(roots, histories, *args, **kwargs)
-        return lambda: found
+    def _scratch(self) -> int:
+        return max(self.depth + 1, self.beam * max(self.depth - 1, 0) + 1)
 
-    @torch.inference_mode()
-    def grow_trees(self, roots, histories: Sequence, depths: Sequence[int], budget, *, keys: Sequence | None = None,
-                   max_depth: int, top_k: int | None = None, calibration: torch.Tensor | None = None) -> Slots:
-        """The best-first trees of ``budget`` draft nodes (int or [B]) per request, drafted node by
-        node (module docstring), as the search's :class:`Slots` (CPU). Requests with depth 0, an
-        empty history or no room in the pool get their root alone."""
+    def _extra(self, D: int, W: int) -> int:
+        return W + max(D, self.beam * max(D - 1, 0) + 1)
+
+    def _graphs_answer(self, search: dict | None) -> bool:
+        """The step graphs search trees node by node; :meth:`propose`'s chain candidates (the warm-up's) run
+        eagerly."""
+        return search is not None or not self.device_search
+
+    def _step(self, bufs: dict, steps: int, max_kv_len: int) -> None:
+        """The graph body: with the search's buffers, :meth:`_first` (the roots' children), then ``steps``
+        levels node by node (:meth:`_levels`) into ``tree``; without them the chain's step."""
+        if "tree" not in bufs:
+            return super()._step(bufs, steps, max_kv_len)
+        p, t = self._first(bufs, max_kv_len)
+        bufs["tree"].copy_(self._levels(bufs, p, t, steps, max_kv_len))
+
+    def _levels(self, bufs: dict, p: torch.Tensor, t: torch.Tensor, levels: int, max_kv_len: int) -> torch.Tensor:
+        """:func:`~vllm_bole.spec_decode.best_first.grow` with ``beam`` and the draft as its expansion, with
+        fixed shapes and no host synchronisation (the step's CUDA graph): ``p`` / ``t`` [B, top_k] the roots'
+        children; then per level ``d`` = 1 .. ``levels`` every row's ``beam`` best depth-``d`` nodes (by
+        score, then slot: grow's beam) in ONE forward of ``B * beam`` tokens, each at KV position
+        ``L + (d - 1) * beam + i`` (``L``: the row's cached tokens, the root last) and attending to the history
+        and, by ancestor bits, to the row's nodes expanded before it (``num_keys`` ``d * beam``); rows with
+        fewer frontier nodes, or at their own depth (``dep``), write to the trash page and get no children.
+        Returns ``[B, slots, PACKED_FIELDS]`` (the search state carries each node's expansion row, the
+        index of its ancestor bits in ``anc``)."""
+        B, dev, S, w, c = p.shape[0], p.device, self.slots, self.beam, self.top_k
+        ROW = 6
+        L, dep, table, cal = bufs["start"] + bufs["count"], bufs["dep"], bufs["table"], bufs["cal"]
+        keep_n = (bufs["caps"] + 1)[:, None]
+        st = search_state(bufs["root"], S, extra=1)
+        first = torch.where((dep > 0)[:, None], p[:, :c], 0.0)
+        st = packed_level(st, packed_children(st, torch.zeros_like(dep)[:, None], t[:, None, :c], first[:, None], 1, cal),
+                          keep_n)
+        slot_ids, lanes = torch.arange(S, device=dev).expand(B, S), torch.arange(w, device=dev)
+        word = torch.arange(WORDS, device=dev)
+        anc = torch.zeros(B, w * max(levels, 1), WORDS, dtype=torch.int64, device=dev)  # ancestor bits by row
+        cu = (torch.arange(B + 1, device=dev) * w).to(torch.int32)
+        for d in range(1, levels + 1):
+            front = st[..., S_DEP] == d
+            order = torch.where(front, -st[..., S_LOG], math.inf).sort(dim=1, stable=True).indices
+            chosen = front & (torch.empty_like(order).scatter_(1, order, slot_ids) < w)
+            at = torch.where(chosen, chosen.cumsum(1) - 1, w)
+            fslot = torch.zeros(B, w + 1, dtype=torch.long, device=dev).scatter_(1, at, slot_ids)[:, :w]  # slot order
+            live = (lanes < chosen.sum(1, keepdim=True)) & (d < dep)[:, None]
+            j = (d - 1) * w + lanes  # [w] expansion rows
+            prow = st[..., ROW].gather(1, st[..., S_PAR].gather(1, fslot).long().clamp(min=0)).long()  # -1: the root
+            bits = torch.where(word == (j // 32)[:, None], 1 << (j % 32)[:, None], 0)  # [w, WORDS]
+            words = torch.where((prow >= 0)[..., None], anc.gather(1, prow.clamp(min=0)[..., None].expand(B, w, WORDS)),
+                                0) | bits
+            anc[:, j] = words
+            st[..., ROW] = st[..., ROW].scatter(1, fslot, torch.where(live, j.double(), st[..., ROW].gather(1, fslot)))
+            kv = torch.where(live, L[:, None] + j, 0)
+            slots = torch.where(live, self._slots(table, kv), 0)  # dead rows: the trash page
+            mask = _Frontier(cu, torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(B * w, WORDS), w)
+            logits = self._forward(st[..., S_TOK].gather(1, fslot).long().flatten(),
+                                   (L - 1 + d)[:, None].expand(B, w).flatten(), L, table, mask, max_kv_len,
+                                   num_keys=torch.where(d < dep, d * w, 0).to(torch.int32), slots=slots.flatten())
+            pc, tc = (x.view(B, w, -1)[..., :c] for x in self._topk(logits))
+            st = packed_level(st, packed_children(st, fslot, tc, torch.where(live[..., None], pc, 0.0), d + 1, cal),
+                              keep_n)
+        return packed_trees(st)
+
+    def _host_trees(self, roots, histories: Sequence, depths: Sequence[int], caps: torch.Tensor, *, keys,
+                    max_depth: int, top_k: int | None, calibration: torch.Tensor | None) -> Slots:
+        """The trees searched on the host (what the step cannot search): :func:`grow` with :meth:`_expander`,
+        one eager forward per level."""
         B = len(histories)
         D = min(max((int(d) for d in depths), default=0), int(max_depth), self.depth)
         c = min(int(top_k or self.top_k), self.top_k)
         keys, temp, dep, live, hists = self._admit(histories, [min(int(d), D) for d in depths], keys,
-                                                   self.beam * max(D - 1, 0) + 1)
-        caps = budgets(budget, B, "cpu").clone()
+                                                   self._extra(D, 0))
+        caps = caps.clone()
         caps[[i for i in range(B) if i not in set(live)]] = 0
         root = torch.as_tensor(list(roots), dtype=torch.long)
         if not live:
