@@ -35,7 +35,7 @@ def walk(tree, accepted, q):
                 kind[i] = (MAIN if min(children[p]) == i else BRANCH) if kind[p] == MAIN else OFF
         kinds += [kind[i] for i in range(len(par))]
         for i, p in enumerate(par):
-            if p < 0 or p not in acc:
+            if p < 0 or p not in acc or int(tree.token_ids[start + i]) < 0:  # placeholders are no drafts
                 continue
             d = len(tree.root_path(r, i)) - 1
             out[d, kind[i]] += torch.tensor([1.0, float(i in acc), float(q[start + i])], dtype=torch.float64)
@@ -49,14 +49,17 @@ def test_kind_counts_equal_the_walk(seed, shape):
     sizes = [1, 2, 17, 65 if shape == "chain" else 256, 64, 5][: 3 + seed % 4]
     tree = random_tree_batch(sizes, kind=shape, generator=g, max_depth=64)
     q = torch.rand(tree.num_nodes, generator=g)
-    tree = dataclasses.replace(tree, draft_prob=q)
+    # a fifth of the draft nodes placeholders (token -1: vLLM's padding, a padded tree's leaves)
+    token = torch.where((torch.rand(tree.num_nodes, generator=g) < 0.2) & (tree.parent_flat >= 0), -1, tree.token_ids)
+    tree = dataclasses.replace(tree, draft_prob=q, token_ids=token)
     accepted, _ = random_accepted_paths(tree, tree.max_depth + 1, generator=g)
     got = kind_counts(tree, accepted)
     want, kinds = walk(tree, accepted, q)
     assert torch.equal(node_kinds(tree), kinds)
     assert torch.allclose(got, want, atol=1e-9)
     cols = branch_columns(got)
-    assert int(cols[:, 1].sum() + cols[:, 3].sum()) == int((accepted >= 0).sum()) - tree.num_requests
+    real = torch.where(accepted >= 0, token[(accepted + tree.starts[:, None]).clamp(min=0)], -1)
+    assert int(cols[:, 1].sum() + cols[:, 3].sum()) == int((real >= 0).sum()) - tree.num_requests
 
 
 def calibrated_weight(tokens, probs, f):

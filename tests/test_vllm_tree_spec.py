@@ -410,6 +410,42 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
         assert st["chained_drafts"] == st["tree_steps"] and st["accepted"] > 0, (st["chained_drafts"], st["accepted"])
 
 
+@pytest.mark.parametrize("arch,drafter,budget,concurrency,graphs", [
+    ("llama", "perturbed", BUDGET, 3, True), ("nemotron_h", "ngram", "auto", None, False),
+    ("qwen3_next", "draft_model", BUDGET, None, False)])
+def test_async_scheduling_leaves_outputs_unchanged(engines, models, arch, drafter, budget, concurrency, graphs,
+                                                   tmp_path):
+    """``async_scheduling: true``: vLLM's scheduler books every step before the last one's output is known
+    (``num_speculative_tokens`` placeholder drafts per request, all taken as accepted) and the runner settles
+    each step at the start of the next (``TreeRunnerMixin._bole_settle``: placeholders replaced by the emitted
+    tokens, ``num_computed_tokens`` corrected, the drafts read or drafted, trees padded to the booked drafts);
+    every stream still equals non-speculative vLLM. Llama: the paged draft launched behind each verification,
+    tree steps from the tree graphs, at most 3 requests in flight (prompts beside trees); NemotronH: n-gram
+    drafts with the controller's ragged budgets (trees smaller than the booked drafts, padded); Qwen3-Next
+    (bf16, within the engine's noise; the target as its own drafter, through transformers, drafting at each
+    settle): logprobs asked for, so each tree step reads its results at once."""
+    base = engines.run(arch, "base")["greedy"]
+    bf16 = checkpoint_dtype(arch) != "float32"
+    job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch) if bf16 else None,
+                                  tree_graphs=graphs, concurrency=concurrency)
+    draft = (models[arch] if drafter == "draft_model" else _perturbed_copy(models[arch], tmp_path / "draft")
+             if drafter == "perturbed" else None)
+    r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"} if graphs else None,
+                              spec=spec_config("ngram" if draft is None else "draft_model", draft, budget=budget,
+                                               async_scheduling=True,
+                                               **({"plain_fallback": False} if budget == "auto" else {})))
+    ours = r["jobs"][0]
+    _check_equal(arch, base if bf16 else dict(tokens=base["tokens"]), ours)
+    st = ours["stats"]
+    print(f"{arch} {drafter} async: {st['settled_steps']} settled of {st['steps']} steps, {st['tree_steps']} tree steps, "
+          f"{st['accepted']} accepted, {st['drafted_nodes']} drafted, {st['placeholder_trees']} placeholder trees, "
+          f"settle {1000 * st['settle_s'] / max(st['settled_steps'], 1):.1f} ms a step")
+    assert st["settled_steps"] >= st["steps"] - 1 and st["tree_steps"] >= st["steps"] // 2 and st["accepted"] > 0
+    if arch == "llama":
+        assert st["chained_drafts"] == st["tree_steps"] and st["split_tree_steps"] >= 2
+        assert st["graph_tree_steps"] >= st["tree_steps"] // 2
+
+
 @pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])
 def test_hidden_state_drafters_greedy_equal(engines, models, arch, kind, tmp_path):
     """drafter 'block' / 'mtp' (``spec_decode.block_drafter``: heads on the target's last hidden state, the
@@ -514,6 +550,10 @@ def test_adapter_checks_and_config_errors(models):
         (dict(drafter="ngram", num_speculative_tokens=4, plain_fallback="maybe"),
          "plain_fallback: Input should be a valid boolean"),
         (dict(drafter="ngram", num_speculative_tokens=4, draft_beam=2), "draft_beam: 2 needs drafter 'draft_model'"),
+        (dict(drafter="mtp", model="x", num_speculative_tokens=4, async_scheduling=True),
+         "async_scheduling: True needs drafter 'ngram' or 'draft_model'"),
+        (dict(drafter="ngram", num_speculative_tokens=4, async_scheduling="yes"),
+         "async_scheduling: Input should be a valid boolean"),
         (dict(drafter="draft_model", model="x", num_speculative_tokens=64, max_depth=64, draft_beam=5),
          "draft_beam: 5 x (max_depth - 1 = 63) must be at most 256"),
         (dict(drafter="draft_model", model="x", num_speculative_tokens=4, draft_runtime="transformers", draft_beam=1),

@@ -60,6 +60,12 @@ Fields (every other key is refused, with the list of allowed ones):
   layers on vLLM's CPU backend always use the torch path: that backend stores keys transposed
   (``vec``) or VNNI-tiled (``amx``), which the Triton kernel (unit-stride head dim) cannot address.
 
+* ``async_scheduling``: ``False`` (default) or ``True``: vLLM's async scheduling (the engine schedules
+  the next step and processes the last one's output while the GPU runs a step); the tree runner then
+  settles each step at the start of the next one (:meth:`~vllm_bole.adapter.runner.TreeRunnerMixin._bole_settle`),
+  every request is booked ``num_speculative_tokens`` drafts (a smaller tree is padded with
+  never-accepted leaves), and logprobs make a step wait for its results. Opt-in until measured on a GPU.
+
 Errors name the field and its allowed values (:class:`ConfigError`).
 """
 from __future__ import annotations
@@ -97,6 +103,7 @@ class TreeSpecConfig(BaseModel):
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
     kernels: Literal["auto", "torch", "triton"] = "auto"
+    async_scheduling: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "TreeSpecConfig":
@@ -113,6 +120,9 @@ class TreeSpecConfig(BaseModel):
         if self.draft_beam * max(self.depth - 1, 1) > MAX_NODES:
             raise ValueError(f"draft_beam: {self.draft_beam} x (max_depth - 1 = {self.depth - 1}) must be at most "
                              f"{MAX_NODES}")
+        if self.async_scheduling and self.drafter in ("block", "mtp"):
+            raise ValueError(f"async_scheduling: True needs drafter 'ngram' or 'draft_model' (the heads draft from the "
+                             f"step's hidden rows, read before the next step; drafter is '{self.drafter}'); allowed: False")
         if isinstance(self.budget, int) and self.budget > self.num_speculative_tokens:
             raise ValueError(f"budget: {self.budget} must be 'auto' or an integer <= num_speculative_tokens "
                              f"({self.num_speculative_tokens})")

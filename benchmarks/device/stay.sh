@@ -160,6 +160,11 @@
 # cache grows 14-19% at equal gpu_memory_utilization; TREE_GRAPHS=1 COST_MODES=bole_tree COST_GPU_MEM=0.9 `cost`
 # is the open 8B-shape check at vLLM's default memory share. New stage `treegraphs` (~9 min, every architecture's
 # matrix rows with whole tree-step graphs, rows marked `tree_graphs`): the evidence to make them the default.
+# Added in the seventeenth session (no machine lent; 63d677a): trees drafted node by node (`draft_beam`) now run
+# inside the draft's step graph (were eager: 11-18 ms a step at B = 1-32, 93-109 at 128). `draft` (no vLLM, ~5 min)
+# times them (`paged_tree_beam{2,4}` against `..._eager`, same process) and checks the graph's trees against the
+# eager ones (`fp32_trees_same_frac_graph_vs_eager`, near-ties aside ~1.0): run it right after `install`, and add
+# `bole_tree/draft_model/beam4` to the matrix's E2E_ONLY (node-by-node trees against the per-depth ones, same budgets).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -244,7 +249,7 @@ stage_search() {  # the draft's best-first search: Triton kernel against its tor
 }
 
 stage_draft() {  # drafting speed: paged (eager, graphs), node by node, against transformers (no vLLM needed)
-    timeout 240 python3 benchmarks/bench_draft.py > "$OUT/bench_draft.log" 2>&1
+    timeout 400 python3 benchmarks/bench_draft.py > "$OUT/bench_draft.log" 2>&1
     tail -20 "$OUT/bench_draft.log" | cut -c1-200
 }
 

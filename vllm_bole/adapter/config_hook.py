@@ -12,7 +12,9 @@ fields:
   "num_speculative_tokens": budget}``: the scheduler reserves ``budget`` draft slots per request,
   passes the drafts to the runner and rolls back the rejected ones (its own bookkeeping);
 * ``worker_cls`` -> vllm-bole's worker (its model runner drafts, verifies and commits trees);
-* ``async_scheduling`` -> off (drafts depend on the accepted tokens of the step);
+* ``async_scheduling`` -> off while vLLM validates the config (it refuses async scheduling with
+  ``custom_class`` drafts), then set to the tree config's ``async_scheduling`` on the built config (the
+  runner settles each step at the start of the next: :mod:`vllm_bole.adapter.runner`);
 * ``enable_prefix_caching`` -> off (explicit True is refused, below);
 * on GPU, ``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment (the workers inherit it): the tree
   runner hooks vLLM's V1 model runner, and vLLM 0.33 defaults to V2 on GPU;
@@ -111,12 +113,13 @@ def _check_draft_model(cfg, target: str) -> None:
                               "(vocabularies differ); drafter 'draft_model' needs the target's tokenizer")
 
 
-def apply_to_engine_args(args) -> None:
-    """Rewrite ``args`` (a vLLM ``EngineArgs``) in place when it selects ``bole_tree``."""
+def apply_to_engine_args(args):
+    """Rewrite ``args`` (a vLLM ``EngineArgs``) in place when it selects ``bole_tree``; returns the tree
+    config (None for other engines)."""
     spec = args.speculative_config
     if not is_tree_spec(spec):
         _check_near_miss(spec)
-        return
+        return None
     cfg = parse_config(spec)
     from vllm.platforms import current_platform
 
@@ -128,7 +131,8 @@ def apply_to_engine_args(args) -> None:
             f"{worker}); leave worker_cls at 'auto'"
         )
     if args.async_scheduling:
-        raise ConfigError("async_scheduling: True is not supported with method 'bole_tree'; leave it unset or False")
+        raise ConfigError("async_scheduling: set it in the speculative config ({'method': 'bole_tree', ..., "
+                          "'async_scheduling': true}), not in the engine arguments; leave it unset or False there")
     if args.enable_prefix_caching:
         raise ConfigError("enable_prefix_caching: True is not supported with method 'bole_tree' (one recurrent "
                           "state slot per request); leave it unset or False")
@@ -160,6 +164,7 @@ def apply_to_engine_args(args) -> None:
     extra[METRICS_KEY] = os.path.join(tempfile.gettempdir(), f"vllm_bole_metrics_{os.getpid()}_{uuid.uuid4().hex[:8]}")
     args.additional_config = extra
     logger.debug("vllm-bole: tree speculation %s", cfg.model_dump())
+    return cfg
 
 
 def is_ours(speculative_config) -> bool:
@@ -183,8 +188,11 @@ def install() -> None:
 
     @functools.wraps(orig)
     def create_engine_config(self, *args, **kwargs):
-        apply_to_engine_args(self)
-        return orig(self, *args, **kwargs)
+        cfg = apply_to_engine_args(self)
+        out = orig(self, *args, **kwargs)
+        if cfg is not None and cfg.async_scheduling:  # after vLLM's checks, which refuse it with custom_class drafts
+            out.scheduler_config.async_scheduling = True
+        return out
 
     orig_validate = SamplingParams._validate_spec_decode
 

@@ -119,8 +119,10 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------------------ setup
     def _bole_setup(self, config: TreeSpecConfig) -> None:
-        if getattr(self, "use_async_scheduling", False):
-            raise RuntimeError("vllm-bole tree speculation needs async scheduling off (the config hook sets it)")
+        self._bole_async = bool(getattr(self, "use_async_scheduling", False))
+        if self._bole_async and not config.async_scheduling:
+            raise RuntimeError("vllm-bole: async scheduling is on but the tree config's async_scheduling is not (set "
+                               "it there: the config hook turns vLLM's on)")
         logprobs_mode = getattr(self.model_config, "logprobs_mode", "raw_logprobs")
         if logprobs_mode not in ("raw_logprobs", "raw_logits"):
             raise NotImplementedError(
@@ -138,6 +140,11 @@ class TreeRunnerMixin:
         # (read the launched drafts, request ids, launch seconds): read when vLLM takes the drafts
         self._bole_pending_draft = None
         self._bole_launched = False  # this step's drafts were launched behind its verification (_sample)
+        # async scheduling: the last step's sampled tokens on their way to the host (_bole_settle reads them) and
+        # its tree step's host work that waits for its results (_bole_finish_step)
+        self._bole_sampled = None  # (token grid on the host [rows, W], its copy event, {req id: row}, {req id: booked})
+        self._bole_unsettled = None  # (fetch the verification results, TreeStep, plain rows, drafting launch seconds)
+        self._bole_booked: dict[str, int] = {}  # this step's draft tokens the scheduler booked per request
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
@@ -151,7 +158,7 @@ class TreeRunnerMixin:
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
                                 chained_drafts=0, accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0,
-                                verify_commit_s=0.0, finish_s=0.0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0,
+                                verify_commit_s=0.0, finish_s=0.0, settle_s=0.0, settled_steps=0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0,
                                 **{f"timed_{k}_steps{u}": z for k in STEP_KINDS for u, z in (("", 0), ("_s", 0.0))})
         # the engine step under way: its kind (STEP_KINDS), when its input preparation began; when the last one's
         # sampling ended
@@ -323,7 +330,8 @@ class TreeRunnerMixin:
         # preempted requests come back as resumed ones (recomputed from scratch; their pending path, if
         # any, was flushed into the freed slot at the step after the preemption, before any reuse of it
         # could read it: a reused slot starts without initial state)
-        self._bole_finish_draft()  # drafts vLLM did not take (none expected): read before anything changes
+        if not self._bole_async:  # drafts vLLM did not take (none expected): read before anything changes
+            self._bole_finish_draft()
         self._bole_stats["resumed_requests"] += len(_resumed(scheduler_output))
         out = super()._update_states(scheduler_output)
         for rid in scheduler_output.finished_req_ids:
@@ -332,7 +340,57 @@ class TreeRunnerMixin:
             self._bole_drafter.release(scheduler_output.finished_req_ids)
         if self._bole_auto is not None:
             self._bole_auto.switch.forget(scheduler_output.finished_req_ids)
+        if self._bole_async:
+            self._bole_settle(scheduler_output)
         return out
+
+    def _bole_settle(self, scheduler_output) -> None:
+        """Async scheduling: the last step's results applied on the host before this step's inputs are laid
+        out (vLLM's scheduler booked this step while the last one ran: ``1 + b`` tokens for a request with ``b``
+        booked drafts, every draft taken as accepted, ``-1`` placeholders for its output tokens). Waits for the
+        last step's token grid (the copy vLLM's async output queued), then per request still in the batch:
+        its placeholders replaced by the tokens it emitted (output tokens, token rows, ``num_tokens_no_spec``),
+        ``num_computed_tokens`` less the ``b + 1 - emitted`` the scheduler assumed (it corrects its own when it
+        processes that output, after this step is launched), this step's draft slots rewritten after them;
+        vLLM's device copy of the last tokens dropped (inputs come from the corrected host rows). Then the last
+        tree step's host work (:meth:`_bole_finish_step`) and this step's drafts: those launched behind the last
+        verification read, else drafted now from the corrected histories."""
+        t0 = time.perf_counter()
+        sampled, self._bole_sampled = self._bole_sampled, None
+        ib = self.input_batch
+        if sampled is not None:
+            grid, event, rows, booked = sampled
+            event.synchronize()
+            grid = grid.tolist()
+            spec = scheduler_output.scheduled_spec_decode_tokens or {}
+            for rid, r in rows.items():
+                i, state = ib.req_id_to_index.get(rid), self.requests.get(rid)
+                if i is None or state is None:  # left the batch (vLLM rebuilds its tokens when it comes back)
+                    continue
+                row = grid[r]
+                emitted = row[: row.index(-1)] if -1 in row else row
+                out = state.output_token_ids
+                while out and out[-1] == -1:  # the step's placeholders (1 + booked, vLLM's own count)
+                    out.pop()
+                out.extend(emitted)
+                end = int(ib.num_prompt_tokens[i]) + len(out)
+                ib.token_ids_cpu[i, end - len(emitted): end] = emitted
+                ib.num_tokens_no_spec[i] = end
+                rejected = booked.get(rid, 0) + 1 - len(emitted)
+                state.num_computed_tokens -= rejected
+                ib.num_computed_tokens_cpu[i] -= rejected
+                ib.update_req_spec_token_ids(state, spec)  # this step's draft slots, after the real tokens
+            ib.prev_sampled_token_ids = None  # input ids from the host rows, not vLLM's device copy
+            ib.sampled_token_ids_cpu = ib.async_copy_ready_event = None
+            self._bole_stats["settled_steps"] += 1
+        unsettled, self._bole_unsettled = self._bole_unsettled, None
+        if unsettled is not None:
+            fetch, step, P, launch_s = unsettled
+            self._bole_finish_step(step, fetch(), P, launch_s)
+        if self._bole_pending_draft is None and ib.num_reqs:
+            self._bole_propose(None)
+        self._bole_finish_draft()
+        self._bole_stats["settle_s"] += time.perf_counter() - t0
 
     def _bole_tree_rows(self, scheduler_output) -> list[bool]:
         """Per persistent-batch row: verified as a tree this step. The requests vLLM scheduled with drafts;
@@ -401,6 +459,8 @@ class TreeRunnerMixin:
         self._bole_stats["steps"] += 1
         ib = self.input_batch  # _may_reorder_batch put the step's tree requests last
         self._bole_flush_pending(exclude=set(ib.req_ids[ib.num_reqs - self._bole_num_trees: ib.num_reqs]))
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        self._bole_booked = {rid: len(d) for rid, d in spec.items()}
         step, pos, tree_logits = self._bole_build_step(scheduler_output, num_scheduled_tokens)
         self._bole_step_kind = "plain" if step is None else "trees" if step.num_plain == 0 else "mixed"
         self._bole_step = step
@@ -421,8 +481,9 @@ class TreeRunnerMixin:
             delta = torch.tensor([self.requests[rid].mrope_position_delta for rid in step.req_ids], dtype=torch.long)
             mrope = self.mrope_positions.gpu
             mrope[:, s : s + T] = (pos + upload(delta, pos.device)[step.tree.request_index]).to(mrope.device, mrope.dtype)
-        # placeholders (-1, scheduler padding) must not reach the embedding
-        self.input_ids.gpu[s : s + T].clamp_(min=0)
+        # the trees' tokens (with async scheduling vLLM's rows hold placeholders for the drafts); placeholders
+        # (-1: vLLM's padding, a tree's padding leaves) must not reach the embedding
+        self.input_ids.gpu[s : s + T] = step.tree.token_ids.clamp(min=0)
         self._bole_stats["prefill_mixed_tree_steps"] += prefill
         if self._bole_stats["tree_steps"] < CHECKED_STEPS:
             self._bole_check_slots(step)
@@ -583,15 +644,16 @@ class TreeRunnerMixin:
             self._bole_propose(None, pending=(tokens, counts), plain=P)
             launch_s = time.perf_counter() - t1
             t1 += launch_s
+        if self._bole_async and md.max_num_logprobs is None:  # the host work that needs the results: next step
+            grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int32,
+                              device=logits.device)
+            if P:
+                grid[:P, 0] = plain.sampled_token_ids[:P, 0]
+            grid[P:] = res.output_token_ids
+            self._bole_unsettled = (fetch, step, P, launch_s)
+            self._bole_stats["finish_s"] += time.perf_counter() - t1
+            return SamplerOutput(sampled_token_ids=grid, logprobs_tensors=None)
         host = fetch()  # the forward has run
-        if self._bole_forward_timer is not None:
-            fwd, self._bole_forward_timer = self._bole_forward_timer.seconds(), None
-            self._bole_stats["forward_s"] += fwd
-            grown = self._bole_compiled() if self._bole_variants is None or fwd > SLOW_FORWARD_S else None
-            if fwd > SLOW_FORWARD_S:
-                self._bole_slow_log.append([self._bole_stats["tree_steps"], tree.num_requests, tree.num_nodes, P,
-                                            graphs is not None and graphs.bucket is not None, round(1000 * fwd, 1),
-                                            grown])
         grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int64)
         if P:
             grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
@@ -600,12 +662,39 @@ class TreeRunnerMixin:
         if md.max_num_logprobs is not None:
             logprobs = emitted_logprobs(self.sampler, self._bole_logprobs_mode, logits, P, step.host_tree, host, grid,
                                         md.max_num_logprobs)
+        self._bole_finish_step(step, host, P, launch_s)
+        self._bole_stats["finish_s"] += time.perf_counter() - t1
+        return SamplerOutput(sampled_token_ids=upload(grid, logits.device, torch.int32), logprobs_tensors=logprobs)
+
+    def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
+        # async scheduling: vLLM's bookkeeping takes a grid of several tokens a row only beside its own
+        # speculation's device copy of the last tokens (prev_sampled_token_ids); a tree step's grid gets a
+        # stand-in, which _bole_settle drops before the next inputs (they come from the host rows)
+        ib = self.input_batch
+        if self._bole_async and ib.prev_sampled_token_ids is None and sampler_output.sampled_token_ids.shape[-1] > 1:
+            ib.prev_sampled_token_ids = sampler_output.sampled_token_ids[:, :1]
+        return super()._bookkeeping_sync(scheduler_output, sampler_output, *args, **kwargs)
+
+    def _bole_finish_step(self, step: TreeStep, host, P: int, launch_s: float) -> None:
+        """A tree step's host work on its verification results ``host`` (on the host): the forward's time,
+        counters, accept log, calibration, the controller's observations; ``P`` plain rows beside the trees,
+        ``launch_s`` the next drafts' launch inside the step."""
+        tree = step.tree
+        if self._bole_forward_timer is not None:
+            fwd, self._bole_forward_timer = self._bole_forward_timer.seconds(), None
+            self._bole_stats["forward_s"] += fwd
+            grown = self._bole_compiled() if self._bole_variants is None or fwd > SLOW_FORWARD_S else None
+            if fwd > SLOW_FORWARD_S:
+                graphs = self._bole_graphs
+                self._bole_slow_log.append([self._bole_stats["tree_steps"], tree.num_requests, tree.num_nodes, P,
+                                            graphs is not None and graphs.bucket is not None, round(1000 * fwd, 1),
+                                            grown])
         acc = host.num_accepted.tolist()
         st = self._bole_stats
         st["tree_steps"] += 1
         st["mixed_tree_steps"] += int(P > 0)
         st["verified_requests"] += tree.num_requests
-        st["drafted_nodes"] += tree.num_nodes - tree.num_requests
+        st["drafted_nodes"] += int((step.host_tree.token_ids >= 0).sum()) - tree.num_requests
         st["accepted"] += sum(acc)
         for r, rid in enumerate(step.req_ids):
             self._bole_accept_log.append((rid, step.chain_len[r], acc[r]))
@@ -619,8 +708,6 @@ class TreeRunnerMixin:
             if times is not None:
                 self._bole_metrics.observe("vllm:bole_step_predicted_seconds", times[0])
                 self._bole_metrics.observe("vllm:bole_step_measured_seconds", times[1])
-        self._bole_stats["finish_s"] += time.perf_counter() - t1
-        return SamplerOutput(sampled_token_ids=upload(grid, logits.device, torch.int32), logprobs_tensors=logprobs)
 
     def _bole_compiled(self) -> dict:
         """{Triton kernel: variants compiled since the last call} (CUDA; elsewhere nothing compiles)."""
@@ -633,7 +720,11 @@ class TreeRunnerMixin:
     def sample_tokens(self, grammar_output):
         state = getattr(self, "execute_model_state", None)
         out = super().sample_tokens(grammar_output)
-        if state is not None and not self._bole_launched:
+        if self._bole_async:  # drafted at the next step's settle, unless launched behind the verification
+            if hasattr(out, "async_copy_ready_event"):  # vLLM's async output: the grid's copy to the host is queued
+                self._bole_sampled = (out.sampled_token_ids_cpu, out.async_copy_ready_event,
+                                      dict(self.input_batch.prev_req_id_to_index or {}), self._bole_booked)
+        elif state is not None and not self._bole_launched:
             self._bole_propose(state.sample_hidden_states)
         self._bole_launched = False
         self._bole_step_end = time.perf_counter()
@@ -699,6 +790,8 @@ class TreeRunnerMixin:
         P = n - self._bole_num_trees  # _may_reorder_batch put the tree requests last
         rows = list(range(P, n))
         drafted, index, flat = self._bole_drafted or (None, {}, [])
+        if self._bole_async:  # the drafts of one step (the scheduler's are placeholders: nothing to match)
+            self._bole_drafted = None
         pick, sizes, roots = [], [], []
         for i in rows:
             rid = ib.req_ids[i]
@@ -707,13 +800,14 @@ class TreeRunnerMixin:
             if int(num_scheduled_tokens[i]) != k + 1:
                 raise RuntimeError(f"vllm-bole: request {rid} has {k} drafts but {int(num_scheduled_tokens[i])} tokens")
             row = index.get(rid, -1)
-            if row < 0 or flat[row][:k] != drafts:
+            if row < 0 or (not self._bole_async and flat[row][:k] != drafts):
                 row = -1
                 self._bole_stats["placeholder_trees"] += 1
             pick.append(row)
             sizes.append(k + 1)
             roots.append(int(ib.token_ids_cpu[i, int(ib.num_computed_tokens_cpu[i])]))
-        tree = drafted.select(pick, sizes, root_tokens=roots) if drafted is not None else None
+        # async: a tree smaller than its booked drafts is padded with never-accepted leaves
+        tree = drafted.select(pick, sizes, root_tokens=roots, pad=self._bole_async) if drafted is not None else None
         if tree is None:  # nothing drafted by us (e.g. only vLLM's placeholders so far)
             from vllm_bole.spec_decode.tree import TreeBatch
 
@@ -829,7 +923,10 @@ class TreeRunnerMixin:
             self._bole_pending_draft = None
             return
         W = 0 if pending is None else int(pending[0].shape[1])
-        discard = self.discard_request_mask.np[:n]
+        if self._bole_async and pending is None:  # at the settle, before this step's inputs: its decoding rows
+            discard = ib.num_computed_tokens_cpu[:n] + 1 < ib.num_tokens_no_spec[:n]
+        else:  # after the step: the rows whose sampled token it discards (a prompt chunk)
+            discard = self.discard_request_mask.np[:n]
         qsl = self.query_start_loc.np
         roots, hists, depths = [], [], []
         for i, rid in enumerate(req_ids):

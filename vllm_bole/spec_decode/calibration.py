@@ -62,7 +62,7 @@ def node_kinds(tree: TreeBatch) -> torch.Tensor:
 
 def kind_counts(tree: TreeBatch, accepted_nodes: torch.Tensor) -> torch.Tensor:
     """``[MAX_DEPTH + 1, 3 kinds, 3]`` float64 (:data:`COUNTS`: reached, accepted, expected) of the
-    draft nodes of ``tree`` (row 0, the roots, stays zero) under ``accepted_nodes`` ``[B, L + 1]``
+    draft nodes of ``tree`` (placeholders, token -1, excluded) (row 0, the roots, stays zero) under ``accepted_nodes`` ``[B, L + 1]``
     (local indices, root first, -1 padded). ``expected`` needs ``tree.draft_prob`` (else zero). On the
     host in numpy (the runner counts every tree step's host tree: ~15 torch operations were 60 us)."""
     T = tree.num_nodes
@@ -71,12 +71,12 @@ def kind_counts(tree: TreeBatch, accepted_nodes: torch.Tensor) -> torch.Tensor:
     flat = loc + tree.starts.cpu().numpy()[:, None]
     accepted = np.zeros(T, dtype=bool)
     accepted[flat[loc >= 0]] = True
-    has_parent = parent >= 0
-    reached = has_parent & accepted[np.maximum(parent, 0)]
+    draft = (parent >= 0) & (tree.token_ids.cpu().numpy() >= 0)  # placeholder children (token -1) are no drafts
+    reached = draft & accepted[np.maximum(parent, 0)]
     q = tree.draft_prob.cpu().double().numpy() if tree.draft_prob is not None else np.zeros(T)
     bucket = tree.depth.cpu().numpy().astype(np.int64) * len(KINDS) + node_kinds(tree).cpu().numpy()
     size = (MAX_DEPTH + 1) * len(KINDS)
-    weights = (reached.astype(np.float64), (accepted & has_parent).astype(np.float64), np.where(reached, q, 0.0))
+    weights = (reached.astype(np.float64), (accepted & draft).astype(np.float64), np.where(reached, q, 0.0))
     out = np.stack([np.bincount(bucket, weights=w, minlength=size) for w in weights], 1)
     return torch.from_numpy(out).view(MAX_DEPTH + 1, len(KINDS), len(COUNTS))
 
