@@ -79,6 +79,7 @@ TEMPERATURES = (0.0, 1.0)
 CHAIN_K = (2, 4)
 BUDGETS = (2, 4, 8, 16, 32)
 DRAFT_BEAM = 4  # bole_tree's node-by-node drafting engine
+ASYNC_BUDGET = 8  # draft nodes the async-scheduling engine books per request (its fixed budget, the controller's cap)
 MAX_DEPTH = 8
 SWEEP_DATASETS = ("mt_bench", "humaneval")
 CAPTURE = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
@@ -128,16 +129,19 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
-def spec_for(mode: str, drafter: str, pair: Path, k: int | None = None, beam: int = 0) -> dict | None:
+def spec_for(mode: str, drafter: str, pair: Path, k: int | None = None, beam: int = 0,
+             async_scheduling: bool = False) -> dict | None:
     """The engine's speculative config; the pair's draft model is ``pair/draft``, its heads ``pair/block`` and
-    ``pair/mtp``."""
+    ``pair/mtp``. ``async_scheduling`` (trees): ``k`` draft nodes booked per request and step (the scheduler
+    books ``num_speculative_tokens`` whatever the tree: a smaller tree is padded)."""
     if mode == "ar":
         return None
     if mode == "vllm_chain":
         if drafter == "ngram":
             return dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=4)
         return dict(method="draft_model", model=str(pair / "draft"), num_speculative_tokens=k)
-    cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=max(BUDGETS), max_depth=MAX_DEPTH)
+    cfg = dict(method="bole_tree", drafter=drafter, num_speculative_tokens=k if async_scheduling else max(BUDGETS),
+               max_depth=MAX_DEPTH, async_scheduling=async_scheduling)
     if mode == "bole_chain":
         cfg["top_k"] = 1
     if drafter == "draft_model":
@@ -161,6 +165,10 @@ def engines(part: str, quick: bool, targets: bool = False) -> list[dict]:
     # the same draft drafting its trees node by node (draft_beam): one engine, the sweep cells
     trees.insert(5, dict(mode="bole_tree", drafter="draft_model", k=None, draft_beam=DRAFT_BEAM,
                          cells=[c + (b,) for c in sweep for b in budgets + ("auto",)]))
+    # the same draft under vLLM's async scheduling (AR's and vLLM's chain's default): the engine's booked drafts
+    # ASYNC_BUDGET, its fixed budget and the controller within it
+    trees.insert(6, dict(mode="bole_tree", drafter="draft_model", k=ASYNC_BUDGET, async_scheduling=True,
+                         cells=[c + (b,) for c in full for b in (ASYNC_BUDGET, "auto")]))
     chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
     chains += [dict(mode="bole_chain", drafter=d, k=None,
@@ -174,6 +182,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
     toks = sum(map(len, res["tokens"]))
     tpot = [(done - first) / (len(t) - 1) for (_, first, done), t in zip(res["times"], res["tokens"]) if len(t) > 1]
     row = dict(mode=mode, drafter=eng["drafter"], draft_beam=eng.get("draft_beam", 0),
+               async_scheduling=eng.get("async_scheduling", False),
                budget=cell["budget"] if mode.startswith("bole") else eng["k"],
                batch=conc, dataset=cell["dataset"], temperature=cell["temperature"],
                tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * float(np.mean(tpot)) if tpot else None,
@@ -280,8 +289,10 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> li
                 cell_jobs += job(prompts, d, t, c, deadline, b)
     first = 1 if gate else 0  # the warm-up after the first gate: it runs on the GPU
     jobs = cell_jobs[:first] + warmup_jobs(prompts, deadline) + cell_jobs[first:]
-    spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("draft_beam", 0))
-    base = dict(mode=eng["mode"], drafter=eng["drafter"], draft_beam=eng.get("draft_beam", 0), budget=eng["k"])
+    spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("draft_beam", 0),
+                    eng.get("async_scheduling", False))
+    base = dict(mode=eng["mode"], drafter=eng["drafter"], draft_beam=eng.get("draft_beam", 0),
+                async_scheduling=eng.get("async_scheduling", False), budget=eng["k"])
     graphs = args.tree_graphs and eng["mode"].startswith("bole")
     try:
         out = engine_run.run_engine(args.target, jobs, spec=spec, llm_kwargs=engine_kwargs(args),
@@ -353,8 +364,9 @@ def run_parallel(todo: list[dict], args, prompts: dict, deadline: float) -> list
 
 
 def label(r: dict) -> str:
-    """A row's (or an engine's) drafter, and how it drafts (node by node: its beam)."""
-    return r["drafter"] + (f"/beam{r['draft_beam']}" if r.get("draft_beam") else "")
+    """A row's (or an engine's) drafter, and how it drafts (node by node: its beam; under async scheduling)."""
+    return r["drafter"] + (f"/beam{r['draft_beam']}" if r.get("draft_beam") else "") + \
+        ("/async" if r.get("async_scheduling") else "")
 
 
 def _cell_id(e: dict, dataset=None, temperature=None, batch=None, budget=None) -> tuple:
@@ -366,7 +378,8 @@ def _cell_id(e: dict, dataset=None, temperature=None, batch=None, budget=None) -
 
 
 def _name(e: dict) -> str:
-    """An engine's (or its row's) name for ``--only``: ``mode/drafter``, ``/beam4`` when it drafts node by node."""
+    """An engine's (or its row's) name for ``--only``: ``mode/drafter``, ``/beam4`` when it drafts node by node,
+    ``/async`` under async scheduling."""
     return f"{e['mode']}/{label(e)}"
 
 

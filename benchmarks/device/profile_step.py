@@ -66,7 +66,9 @@ def main() -> None:
                     "finish, so prompts land beside running trees (split steps)")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--dtype", help="default: the checkpoint's own dtype (vLLM's 'auto' would run fp32 ones in bf16)")
-    ap.add_argument("--mode", action="append", choices=("ar", "bole_tree"), help="default: both")
+    ap.add_argument("--mode", action="append", choices=("ar", "bole_tree", "bole_async"),
+                    help="default: ar and bole_tree; bole_async: bole_tree with async_scheduling (vLLM's async "
+                         "scheduling, which AR runs with)")
     ap.add_argument("--load-format", default="auto", help="'dummy': random weights for a config-only directory")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--out", default=".")
@@ -99,22 +101,23 @@ def main() -> None:
                   gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format)
         if gpu:  # the H200 bundle has no FlashAttention 3
             kw["attention_backend"] = "TRITON_ATTN"
-        if mode == "bole_tree":
-            kw["speculative_config"] = spec
+        tree = mode.startswith("bole")
+        if tree:
+            kw["speculative_config"] = dict(spec, async_scheduling=mode == "bole_async")
         llm = LLM(**kw)
         # untimed: the batch's shapes once (the paged draft captures a graph per batch bucket at its first use)
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        stats0 = llm.collective_rpc("bole_stats")[0] if mode == "bole_tree" else None
+        stats0 = llm.collective_rpc("bole_stats")[0] if tree else None
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         row = dict(seconds=round(dt, 4), tokens=n, tokens_per_s=round(n / dt, 2),
                    outputs=[list(o.outputs[0].token_ids) for o in outs])
-        st = llm.collective_rpc("bole_stats")[0] if mode == "bole_tree" else None  # the timed pass's counters
+        st = llm.collective_rpc("bole_stats")[0] if tree else None  # the timed pass's counters
         if gpu:
             row["device_profile"] = _device_profile(llm, prompts, sp)
-        if mode == "bole_tree":
+        if tree:
             prof = cProfile.Profile()
             prof.enable()
             llm.generate(prompts, sp, use_tqdm=False)
@@ -125,7 +128,8 @@ def main() -> None:
                                                                      "split_tree_steps", "split_piecewise_steps",
                                                                      "chained_drafts", "timed_trees_steps",
                                                                      "timed_trees_steps_s", "timed_mixed_steps",
-                                                                     "timed_mixed_steps_s")}
+                                                                     "timed_mixed_steps_s", "settled_steps",
+                                                                     "settle_s")}
             row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["verified_requests"], 1), 3)
             ps = pstats.Stats(prof)
             row["top_cumulative"] = _rows(ps, "cum_s", 60)
@@ -136,9 +140,10 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
     a, t = result["modes"].get("ar"), result["modes"].get("bole_tree")
-    if a and t:
-        result["identical"] = a["outputs"] == t["outputs"]
-        result["speedup"] = round(t["tokens_per_s"] / a["tokens_per_s"], 3)
+    for m, suffix in (("bole_tree", ""), ("bole_async", "_async")):
+        if a and m in result["modes"]:
+            result["identical" + suffix] = a["outputs"] == result["modes"][m]["outputs"]
+            result["speedup" + suffix] = round(result["modes"][m]["tokens_per_s"] / a["tokens_per_s"], 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_step.json").write_text(json.dumps(result, indent=1))
@@ -149,9 +154,11 @@ def main() -> None:
                   + "; ".join(f"{k['name'][:40]} {k['device_s']}" for k in d["top"][:6]))
     for m, r in result["modes"].items():
         print(f"{m}: {r['tokens_per_s']} tok/s")
-    if t:
-        print(f"bole_tree: speedup {result.get('speedup')}, identical {result.get('identical')}, tokens/tree step "
-              f"{t['tokens_per_tree_step']}, stats {t['bole_stats']}")
+    for m, suffix in (("bole_tree", ""), ("bole_async", "_async")):
+        r = result["modes"].get(m)
+        if r:
+            print(f"{m}: speedup {result.get('speedup' + suffix)}, identical {result.get('identical' + suffix)}, "
+                  f"tokens/tree step {r['tokens_per_tree_step']}, stats {r['bole_stats']}")
     for r in (t or {}).get("vllm_bole", [])[:30]:
         print(f"{r['cum_s']:9.4f} {r['own_s']:9.4f} {r['calls']:7d}  {r['function']}")
 

@@ -165,6 +165,11 @@
 # times them (`paged_tree_beam{2,4}` against `..._eager`, same process) and checks the graph's trees against the
 # eager ones (`fp32_trees_same_frac_graph_vs_eager`, near-ties aside ~1.0): run it right after `install`, and add
 # `bole_tree/draft_model/beam4` to the matrix's E2E_ONLY (node-by-node trees against the per-depth ones, same budgets).
+# Also new (c4c...: see the commit): vLLM's async scheduling for the trees (the tree config's `async_scheduling`,
+# opt-in; AR and vLLM's chain run with it by default). Run `async` right after the `graphs` smoke (~5 min: AR, the
+# trees and the async trees at c = 1 in one process; must be identical; the c = 1 target's best lever: ~1.3 ms
+# of engine work a step overlapped, README "Host work that AR hides"), then put `bole_tree/draft_model/async` first in
+# the matrix's E2E_ONLY (books ASYNC_BUDGET = 8 drafts a request: its cells are budget 8 and "auto").
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -319,6 +324,18 @@ stage_profile() {  # one engine in-process, cProfile over a tree run against AR:
         VLLM_BOLE_TREE_GRAPHS=${TREE_GRAPHS:-0} timeout 270 python3 benchmarks/device/profile_step.py --model /tmp/pair/nemotron_h --draft /tmp/pair/draft \
             --batch $b --out "$OUT/profile_b$b" > "$OUT/profile_b$b.log" 2>&1
         tail -12 "$OUT/profile_b$b.log" | cut -c1-160
+    done
+}
+
+stage_async() {  # issue 15: AR, the trees and the trees under vLLM's async scheduling in one process, the pair at
+    # batch 1 (and ASYNC_BATCHES), tree steps from whole graphs: identical_async, speedup_async against speedup
+    project
+    for b in ${ASYNC_BATCHES:-1}; do
+        VLLM_BOLE_TREE_GRAPHS=1 timeout 400 python3 benchmarks/device/profile_step.py --model /tmp/pair/nemotron_h \
+            --draft /tmp/pair/draft --batch $b --mode ar --mode bole_tree --mode bole_async --out "$OUT/async_b$b" \
+            > "$OUT/async_b$b.log" 2>&1
+        tail -14 "$OUT/async_b$b.log" | cut -c1-200
+        grep -q '"identical_async": true' "$OUT/async_b$b/profile_step.json" || return 1
     done
 }
 

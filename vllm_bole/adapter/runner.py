@@ -31,6 +31,13 @@ One step, as vLLM drives it (``execute_model`` then ``sample_tokens``):
    hands their flat tokens to the scheduler (the ``TreeBatch`` is kept and selected from at the
    next step).
 
+With async scheduling (the tree config's ``async_scheduling``) vLLM's scheduler books step ``N + 1`` before
+step ``N``'s output is known (``num_speculative_tokens`` placeholder drafts per request, all taken as
+accepted) and never takes drafts: ``_sample`` returns the token grid on the device and leaves the host work
+on its results to the next step; ``_update_states`` of step ``N + 1`` then settles step ``N``
+(:meth:`TreeRunnerMixin._bole_settle`) before the inputs are laid out, and ``_bole_build_step`` pads each
+drafted tree to its booked drafts.
+
 The model side (layers, KV cache specs, metadata builders) is built without vLLM's speculative
 config (see :mod:`vllm_bole.adapter.worker`): one recurrent state slot per request, plain conv
 state widths, no per-draft-token state copies.
