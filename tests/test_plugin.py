@@ -168,3 +168,24 @@ def test_every_vllm_import_resolves(tmp_path):
             "assert unresolved() == [], unresolved()\n"
             f"bad = unresolved(Path({str(tmp_path / 'pkg')!r}))\n"
             "assert bad == ['pkg/m.py:2 vllm.v1.core.kv_cache_utils.no_such_name'], bad\n")
+
+
+def test_async_scheduling_refuses_structured_output_requests():
+    """With the tree config's ``async_scheduling`` a request with structured output is refused alone, when it is
+    validated (vLLM's grammar layout counts the drafts its scheduler booked, which the runner cuts to its
+    trees); without it, and other requests with it, pass."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    from vllm_bole.adapter import config_hook
+
+    config_hook.install()
+    spec = SimpleNamespace(method="custom_class", model=config_hook.PROPOSER)
+    structured = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    structured._validate_spec_decode(spec)  # a synchronous engine verifies such requests plainly
+    setattr(spec, config_hook.ASYNC_FLAG, True)
+    with pytest.raises(ValueError, match="structured_outputs: not supported with method 'bole_tree' and its "
+                                         "async_scheduling"):
+        structured._validate_spec_decode(spec)
+    SamplingParams(temperature=0.5, min_p=0.1)._validate_spec_decode(spec)

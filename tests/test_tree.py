@@ -150,13 +150,6 @@ def test_select_equals_rebuilding_the_truncated_trees(seed):
     real = [r for r in rows if r >= 0] or [0]
     _assert_same(tb.select(real), TreeBatch.from_parents([parents[r] for r in real], [tokens[r] for r in real]))
     _assert_same(tb.select(real, 1), TreeBatch.from_parents([[-1]] * len(real), [[tokens[r][0]] for r in real]))
-    # pad: trees smaller than their num_nodes get placeholder children of the root after their own nodes
-    grown = [min(k + rng.randint(0, 9), MAX_NODES) for k in n]
-    want_p = [(parents[r][:g] if r >= 0 else [-1]) + [0] * (g - (min(g, sizes[r]) if r >= 0 else 1))
-              for r, g in zip(rows, grown)]
-    want_t = [(tokens[r][:g] if r >= 0 else [-1]) + [-1] * (g - (min(g, sizes[r]) if r >= 0 else 1))
-              for r, g in zip(rows, grown)]
-    _assert_same(tb.select(rows, grown, pad=True), TreeBatch.from_parents(want_p, want_t))
     every = list(range(len(sizes)))  # the whole batch as drafted, new roots (the runner's usual step)
     _assert_same(tb.select(every, sizes, root_tokens=roots[:1] * len(sizes)),
                  TreeBatch.from_parents(parents, [[roots[0]] + t[1:] for t in tokens]))

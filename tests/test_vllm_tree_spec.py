@@ -238,19 +238,21 @@ def test_constrained_greedy_equal(engines, arch):
     assert len(base["tokens"][6]) >= 24 and not stops & set(base["tokens"][6][:23])  # min_tokens held them back
 
 
-def test_preemption_keeps_outputs(engines, models):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_preemption_keeps_outputs(engines, models, asynchronous):
     """A KV cache too small for the batch (12 blocks of 64 attention tokens): vLLM preempts running
     requests and recomputes them on resumption; every stream still equals non-speculative vLLM. With
     ``budget: "auto"`` (tree steps always): the controller's ragged, timing-dependent budgets change no
     output. Then the same engine switched in place to a fixed budget of 1 (``bole_set_budget``): still
-    equal, one node per tree, the controller idle."""
+    equal, one node per tree, the controller idle. ``asynchronous``: under async scheduling (each step booked
+    before the last one's output, settled by the runner)."""
     arch = "nemotron_h"
     base = engines.run(arch, "base")["greedy"]
     jobs = [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS),
             engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, budget=1)]
     r = engine_run.run_engine(models[arch], jobs,
                               spec=spec_config("draft_model", models[arch], budget="auto", min_budget=1,
-                                               plain_fallback=False),
+                                               plain_fallback=False, async_scheduling=asynchronous),
                               llm_kwargs=dict(num_gpu_blocks_override=12, block_size=16))
     ours, fixed = r["jobs"]
     _check_equal(arch, dict(tokens=base["tokens"]), ours)
@@ -261,7 +263,7 @@ def test_preemption_keeps_outputs(engines, models):
     print(f"{arch} preemption: {st['resumed_requests']} resumed requests, {st['tree_steps']} tree steps; controller: "
           f"{st['budget_nodes']} nodes in {st['budget_steps']} steps, last {st['budget_last']}, predicted "
           f"{st['predicted_step_s']:.3f} s / measured {st['measured_step_s']:.3f} s over {st['observed_steps']} steps")
-    assert st["resumed_requests"] >= 1
+    assert st["resumed_requests"] >= 1 and (st["settled_steps"] > 0) == asynchronous
     assert st["budget_steps"] >= 4 and st["observed_steps"] >= 4 and st["measured_step_s"] > 0
 
 
@@ -279,10 +281,12 @@ def _mixed_requests(prompts, long_prompt, abort: bool):
     ]
 
 
-def test_mixed_batch_with_abort(engines, models):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_mixed_batch_with_abort(engines, models, asynchronous):
     """Prompts arriving while others decode (chunked prefill), an abort, sampling and penalties, with
     ``budget: "auto"`` (the controller and the speculation switch between tree steps and plain
-    decoding): every other stream equals non-speculative vLLM."""
+    decoding): every other stream equals non-speculative vLLM. ``asynchronous``: under async scheduling (the
+    switch's plain steps: every booked draft cut, root-only trees)."""
     arch = "nemotron_h"  # attention + Mamba2 layers
     m = models[arch]
     prompts = engines.prompts(arch)
@@ -290,7 +294,7 @@ def test_mixed_batch_with_abort(engines, models):
     kw = dict(llm_kwargs=dict(max_num_batched_tokens=64, enable_chunked_prefill=True))
     base = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, False), 40)], **kw)
     r = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, True), 40)],
-                              spec=spec_config("draft_model", m, budget="auto"), **kw)
+                              spec=spec_config("draft_model", m, budget="auto", async_scheduling=asynchronous), **kw)
     b, o = base["jobs"][0]["outputs"], r["jobs"][0]["outputs"]
     for rid in ("g0", "pen", "long", "g2", "one"):
         assert o[rid]["tokens"] == b[rid]["tokens"], rid
@@ -301,6 +305,7 @@ def test_mixed_batch_with_abort(engines, models):
     st = r["jobs"][0]["stats"]
     print({k: v for k, v in st.items() if k != "accept_log"})
     assert st["prefill_mixed_tree_steps"] >= 1  # a prefill chunk shared a forward with tree decodes
+    assert (st["settled_steps"] > 0) == asynchronous
     assert st["placeholder_trees"] >= 1  # the one-token prompt's padded first step went through the tree path
     assert st["accepted"] > 0
     # budget "auto": the speculation switch probed plain decoding (a bucket's probes come in a fixed order,
@@ -418,10 +423,10 @@ def test_async_scheduling_leaves_outputs_unchanged(engines, models, arch, drafte
     """``async_scheduling: true``: vLLM's scheduler books every step before the last one's output is known
     (``num_speculative_tokens`` placeholder drafts per request, all taken as accepted) and the runner settles
     each step at the start of the next (``TreeRunnerMixin._bole_settle``: placeholders replaced by the emitted
-    tokens, ``num_computed_tokens`` corrected, the drafts read or drafted, trees padded to the booked drafts);
+    tokens, ``num_computed_tokens`` corrected, the drafts read or drafted, the booked drafts cut to the trees);
     every stream still equals non-speculative vLLM. Llama: the paged draft launched behind each verification,
     tree steps from the tree graphs, at most 3 requests in flight (prompts beside trees); NemotronH: n-gram
-    drafts with the controller's ragged budgets (trees smaller than the booked drafts, padded); Qwen3-Next
+    drafts with the controller's ragged budgets (the booked drafts cut to smaller trees, or to none); Qwen3-Next
     (bf16, within the engine's noise; the target as its own drafter, through transformers, drafting at each
     settle): logprobs asked for, so each tree step reads its results at once."""
     base = engines.run(arch, "base")["greedy"]

@@ -56,6 +56,7 @@ CPU_WORKER = "vllm_bole.adapter.worker.BoleCPUWorker"
 GPU_WORKER = "vllm_bole.adapter.worker.BoleGPUWorker"
 ADDITIONAL_KEY = "vllm_bole"
 METRICS_KEY = "vllm_bole_metrics"  # additional_config: directory of the workers' metrics snapshots
+ASYNC_FLAG = "_vllm_bole_async"  # on vLLM's speculative config of an engine with the tree config's async_scheduling
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
@@ -178,7 +179,9 @@ def install() -> None:
     above) and ``SamplingParams._validate_spec_decode``: vLLM refuses ``min_p`` and ``logit_bias``
     with any speculative config because its chain rejection sampler ignores them; the tree runner
     applies both per node (``TreeRunnerMixin._bole_constrain``), so requests on an engine with
-    ``bole_tree`` pass. Other speculative configs keep vLLM's check."""
+    ``bole_tree`` pass; with the tree config's ``async_scheduling`` a request with structured output is
+    refused (alone, before it is added: vLLM's grammar layout counts the drafts the scheduler booked,
+    which the runner cuts to its trees). Other speculative configs keep vLLM's check."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
 
@@ -192,6 +195,7 @@ def install() -> None:
         out = orig(self, *args, **kwargs)
         if cfg is not None and cfg.async_scheduling:  # after vLLM's checks, which refuse it with custom_class drafts
             out.scheduler_config.async_scheduling = True
+            object.__setattr__(out.speculative_config, ASYNC_FLAG, True)  # read by the requests' validation
         return out
 
     orig_validate = SamplingParams._validate_spec_decode
@@ -199,6 +203,10 @@ def install() -> None:
     @functools.wraps(orig_validate)
     def validate_spec_decode(self, speculative_config):
         if is_ours(speculative_config):
+            if getattr(speculative_config, ASYNC_FLAG, False) and self.structured_outputs is not None:
+                raise ValueError("structured_outputs: not supported with method 'bole_tree' and its async_scheduling "
+                                 "(the scheduler books drafts the grammar's layout counts); leave structured_outputs "
+                                 "unset, or run the engine with async_scheduling false")
             return None
         return orig_validate(self, speculative_config)
 

@@ -44,9 +44,9 @@ state widths, no per-draft-token state copies.
 """
 from __future__ import annotations
 
-import contextlib
-
 import collections
+import contextlib
+import dataclasses
 import logging
 import time
 
@@ -351,6 +351,36 @@ class TreeRunnerMixin:
             self._bole_settle(scheduler_output)
         return out
 
+    def _bole_trim_drafts(self, so) -> None:
+        """Async scheduling: this step's booked drafts (``so``: the runner's copy of the scheduler output, see
+        :meth:`execute_model`) cut to each request's drafted tree (none: its root alone), in the scheduled
+        tokens and the draft slots; the booked counts kept for the next settle (the scheduler rolls back the
+        booked drafts; ``prev_num_draft_len`` counts its placeholders)."""
+        spec = so.scheduled_spec_decode_tokens or {}
+        self._bole_booked = {rid: len(d) for rid, d in spec.items()}
+        drafted, index, _ = self._bole_drafted or (None, {}, None)
+        sizes = drafted.nodes_per_request.tolist() if drafted is not None else []
+        ib = self.input_batch
+        for rid, d in spec.items():
+            keep = min(len(d), sizes[index[rid]] - 1) if rid in index else 0
+            if keep < len(d):
+                spec[rid] = d[:keep]
+                so.num_scheduled_tokens[rid] -= len(d) - keep
+                so.total_num_scheduled_tokens -= len(d) - keep
+            state = self.requests.get(rid)
+            if state is not None and rid in ib.req_id_to_index:
+                ib.update_req_spec_token_ids(state, spec)  # after the settled tokens
+                state.prev_num_draft_len = len(d)
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if self._bole_async and scheduler_output.scheduled_spec_decode_tokens:
+            # a copy whose booked drafts _bole_trim_drafts cuts to the trees (the scheduler keeps its own, as vLLM
+            # copies it for its GPU n-gram drafter)
+            scheduler_output = dataclasses.replace(
+                scheduler_output, num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+                scheduled_spec_decode_tokens=dict(scheduler_output.scheduled_spec_decode_tokens))
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
     def _bole_settle(self, scheduler_output) -> None:
         """Async scheduling: the last step's results applied on the host before this step's inputs are laid
         out (vLLM's scheduler booked this step while the last one ran: ``1 + b`` tokens for a request with ``b``
@@ -358,10 +388,10 @@ class TreeRunnerMixin:
         last step's token grid (the copy vLLM's async output queued), then per request still in the batch:
         its placeholders replaced by the tokens it emitted (output tokens, token rows, ``num_tokens_no_spec``),
         ``num_computed_tokens`` less the ``b + 1 - emitted`` the scheduler assumed (it corrects its own when it
-        processes that output, after this step is launched), this step's draft slots rewritten after them;
-        vLLM's device copy of the last tokens dropped (inputs come from the corrected host rows). Then the last
-        tree step's host work (:meth:`_bole_finish_step`) and this step's drafts: those launched behind the last
-        verification read, else drafted now from the corrected histories."""
+        processes that output, after this step is launched); vLLM's device copy of the last tokens dropped
+        (inputs come from the corrected host rows). Then the last tree step's host work
+        (:meth:`_bole_finish_step`), this step's drafts (those launched behind the last verification read, else
+        drafted now from the corrected histories) and its booked drafts cut to them (:meth:`_bole_trim_drafts`)."""
         t0 = time.perf_counter()
         sampled, self._bole_sampled = self._bole_sampled, None
         ib = self.input_batch
@@ -369,7 +399,6 @@ class TreeRunnerMixin:
             grid, event, rows, booked = sampled
             event.synchronize()
             grid = grid.tolist()
-            spec = scheduler_output.scheduled_spec_decode_tokens or {}
             for rid, r in rows.items():
                 i, state = ib.req_id_to_index.get(rid), self.requests.get(rid)
                 if i is None or state is None:  # left the batch (vLLM rebuilds its tokens when it comes back)
@@ -386,17 +415,14 @@ class TreeRunnerMixin:
                 rejected = booked.get(rid, 0) + 1 - len(emitted)
                 state.num_computed_tokens -= rejected
                 ib.num_computed_tokens_cpu[i] -= rejected
-                ib.update_req_spec_token_ids(state, spec)  # this step's draft slots, after the real tokens
             ib.prev_sampled_token_ids = None  # input ids from the host rows, not vLLM's device copy
             ib.sampled_token_ids_cpu = ib.async_copy_ready_event = None
             self._bole_stats["settled_steps"] += 1
-        unsettled, self._bole_unsettled = self._bole_unsettled, None
-        if unsettled is not None:
-            fetch, step, P, launch_s = unsettled
-            self._bole_finish_step(step, fetch(), P, launch_s)
+        self._bole_finish_unsettled()
         if self._bole_pending_draft is None and ib.num_reqs:
             self._bole_propose(None)
         self._bole_finish_draft()
+        self._bole_trim_drafts(scheduler_output)
         self._bole_stats["settle_s"] += time.perf_counter() - t0
 
     def _bole_tree_rows(self, scheduler_output) -> list[bool]:
@@ -466,8 +492,6 @@ class TreeRunnerMixin:
         self._bole_stats["steps"] += 1
         ib = self.input_batch  # _may_reorder_batch put the step's tree requests last
         self._bole_flush_pending(exclude=set(ib.req_ids[ib.num_reqs - self._bole_num_trees: ib.num_reqs]))
-        spec = scheduler_output.scheduled_spec_decode_tokens or {}
-        self._bole_booked = {rid: len(d) for rid, d in spec.items()}
         step, pos, tree_logits = self._bole_build_step(scheduler_output, num_scheduled_tokens)
         self._bole_step_kind = "plain" if step is None else "trees" if step.num_plain == 0 else "mixed"
         self._bole_step = step
@@ -682,6 +706,14 @@ class TreeRunnerMixin:
             ib.prev_sampled_token_ids = sampler_output.sampled_token_ids[:, :1]
         return super()._bookkeeping_sync(scheduler_output, sampler_output, *args, **kwargs)
 
+    def _bole_finish_unsettled(self) -> None:
+        """Async scheduling: the last tree step's host work on its results, if still to do (at the next step's
+        settle, or when the counters are read: the last step before the engine idles has no next one)."""
+        unsettled, self._bole_unsettled = self._bole_unsettled, None
+        if unsettled is not None:
+            fetch, step, P, launch_s = unsettled
+            self._bole_finish_step(step, fetch(), P, launch_s)
+
     def _bole_finish_step(self, step: TreeStep, host, P: int, launch_s: float) -> None:
         """A tree step's host work on its verification results ``host`` (on the host): the forward's time,
         counters, accept log, calibration, the controller's observations; ``P`` plain rows beside the trees,
@@ -768,6 +800,7 @@ class TreeRunnerMixin:
         bucket its estimated tokens / s / request of tree steps and of plain decoding; switch_samples: the
         samples behind them, per mode {"tokens": per request of its latest decode steps, "seconds": of its
         latest steady steps})."""
+        self._bole_finish_unsettled()
         budget = {}
         if self._bole_auto is not None:
             switch = self._bole_auto.switch
@@ -813,8 +846,7 @@ class TreeRunnerMixin:
             pick.append(row)
             sizes.append(k + 1)
             roots.append(int(ib.token_ids_cpu[i, int(ib.num_computed_tokens_cpu[i])]))
-        # async: a tree smaller than its booked drafts is padded with never-accepted leaves
-        tree = drafted.select(pick, sizes, root_tokens=roots, pad=self._bole_async) if drafted is not None else None
+        tree = drafted.select(pick, sizes, root_tokens=roots) if drafted is not None else None
         if tree is None:  # nothing drafted by us (e.g. only vLLM's placeholders so far)
             from vllm_bole.spec_decode.tree import TreeBatch
 

@@ -163,15 +163,14 @@ class TreeBatch:
         return torch.zeros(self.num_requests, dtype=torch.long, device=idx.device).scatter_reduce_(
             0, self.request_index, key, reduce="amax")
 
-    def select(self, rows, num_nodes=None, *, root_tokens=None, pad: bool = False) -> "TreeBatch":
+    def select(self, rows, num_nodes=None, *, root_tokens=None) -> "TreeBatch":
         """A new batch of the requests ``rows`` (indices into this batch, in the new order; repeats
         allowed), each truncated to its first ``num_nodes`` nodes (int or per row; default: all).
         A prefix in topological order is still a tree, so nothing is rebuilt: every field is
         gathered (``path`` trimmed to the new deepest node, as :meth:`from_parents` would).
         A row of ``-1`` is a *placeholder*: a root and ``num_nodes - 1`` children of it with token
-        ``-1`` (never accepted; default 1 node), for scheduled drafts no tree stands for; with ``pad``
-        a tree smaller than its ``num_nodes`` gets such children after its own nodes (the scheduler
-        booked more tokens than it drafted). ``root_tokens`` (``[len(rows)]``) replaces the roots' tokens."""
+        ``-1`` (never accepted; default 1 node), for scheduled drafts no tree stands for.
+        ``root_tokens`` (``[len(rows)]``) replaces the roots' tokens."""
         if isinstance(rows, list) and isinstance(num_nodes, list) and rows == list(range(self.num_requests)) \
                 and num_nodes == self.nodes_per_request.tolist():  # the usual step, checked on the host
             return self._with_roots(root_tokens)
@@ -190,7 +189,7 @@ class TreeBatch:
         else:
             n = torch.as_tensor(num_nodes, dtype=torch.long).to(dev)
             n = n.expand(Bn).clone() if n.dim() == 0 else n.flatten()
-            limit = torch.where(real & (not pad), size, torch.full_like(size, MAX_NODES))
+            limit = torch.where(real, size, torch.full_like(size, MAX_NODES))
             if n.shape != (Bn,) or bool(((n < 1) | (n > limit)).any()):
                 raise TreeError(f"num_nodes: need 1 <= n <= the request's nodes per row, got {n.tolist()} "
                                 f"for sizes {limit.tolist()}")
@@ -202,7 +201,7 @@ class TreeBatch:
         T = int(cu[-1])
         req = torch.repeat_interleave(torch.arange(Bn, device=dev), n, output_size=T)
         local = torch.arange(T, device=dev) - cu[:-1][req]
-        isreal = real[req] & (local < size[req])  # a tree's own nodes (then, with pad, its placeholder children)
+        isreal = real[req]
         src = torch.where(isreal, self.cu_nodes.long()[r0][req] + local, torch.zeros_like(local))
         kid = (local > 0).long()
         token = torch.where(isreal, self.token_ids[src], torch.full_like(local, -1))
