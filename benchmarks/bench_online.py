@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_e2e import spec_for  # noqa: E402
+from bench_e2e import ASYNC_BUDGET, spec_for  # noqa: E402
 from vllm_bole.testing import serve_run  # noqa: E402
 
 TURN_TIMEOUT_S = 300
@@ -158,7 +158,9 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=24, help="sessions per rate")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--chain-k", type=int, default=4)
-    ap.add_argument("--mode", action="append", choices=("ar", "vllm_chain", "bole_tree"), help="default: all three")
+    ap.add_argument("--mode", action="append", choices=("ar", "vllm_chain", "bole_tree", "bole_async"),
+                    help="default: ar, vllm_chain, bole_tree; bole_async: bole_tree under vLLM's async scheduling "
+                         "(AR's and vLLM's chain's default), booking bench_e2e.ASYNC_BUDGET drafts a request")
     ap.add_argument("--tree-graphs", action="store_true",
                     help="the bole_tree server with VLLM_BOLE_TREE_GRAPHS=1 (tree steps from whole CUDA graphs)")
     ap.add_argument("--prior", type=Path, help="an earlier e2e_online.json: its rows of the modes not run now are kept")
@@ -182,10 +184,11 @@ def main() -> int:
     modes = args.mode or ("ar", "vllm_chain", "bole_tree")
     if args.prior:
         rows = [r for r in json.loads(args.prior.read_text())["rows"] if r["mode"] not in modes]
-    servers = [Background(model_dir=target, spec=spec_for(mode, drafter, args.pair, args.chain_k),
+    servers = [Background(model_dir=target, spec=spec_for(mode, drafter, args.pair, args.chain_k) if mode != "bole_async"
+                          else spec_for("bole_tree", drafter, args.pair, ASYNC_BUDGET, async_scheduling=True),
                           eager=args.cpu_dry_run, max_model_len=1024 if args.cpu_dry_run else 4096, max_num_seqs=128,
                           extra_args=extra,
-                          env={"VLLM_BOLE_TREE_GRAPHS": "1"} if args.tree_graphs and mode == "bole_tree" else None)
+                          env={"VLLM_BOLE_TREE_GRAPHS": "1"} if args.tree_graphs and mode.startswith("bole") else None)
                for mode in modes]
     for server in servers:  # all started before any is driven: a start compiles and captures on the GPU
         server.wait()

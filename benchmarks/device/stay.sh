@@ -165,11 +165,18 @@
 # times them (`paged_tree_beam{2,4}` against `..._eager`, same process) and checks the graph's trees against the
 # eager ones (`fp32_trees_same_frac_graph_vs_eager`, near-ties aside ~1.0): run it right after `install`, and add
 # `bole_tree/draft_model/beam4` to the matrix's E2E_ONLY (node-by-node trees against the per-depth ones, same budgets).
-# Also new (c4c...: see the commit): vLLM's async scheduling for the trees (the tree config's `async_scheduling`,
-# opt-in; AR and vLLM's chain run with it by default). Run `async` right after the `graphs` smoke (~5 min: AR, the
-# trees and the async trees at c = 1 in one process; must be identical; the c = 1 target's best lever: ~1.3 ms
-# of engine work a step overlapped, README "Host work that AR hides"), then put `bole_tree/draft_model/async` first in
-# the matrix's E2E_ONLY (books ASYNC_BUDGET = 8 drafts a request: its cells are budget 8 and "auto").
+# Also new (98a4709..6d47deb): vLLM's async scheduling for the trees (the tree config's `async_scheduling`, opt-in;
+# AR and vLLM's chain run with it by default; the runner settles each step at the start of the next and cuts the
+# booked drafts to its trees). Run `async` right after the `graphs` smoke (~5 min: AR, the trees and the async trees
+# at c = 1 in one process, tree graphs on; `identical_async` must be true; the c = 1 target's best lever: ~1.3 ms of
+# engine work a step overlapped, README "Host work that AR hides"; if it fails, bring the log home and leave async
+# out of the rest), then put `bole_tree/draft_model/async` first in the matrix's E2E_ONLY (it books ASYNC_BUDGET = 8
+# drafts a request: its cells are budget 8 and "auto"), and ONLINE_MODES="ar bole_tree bole_async" for `online`.
+# Next stay, in order: parts p00, p01; `install`; `draft`; `parts graphs` (pieces 00-02 + pair.sha256 + .pair/tiny);
+# `async`; MIXED="granitemoehybrid falcon_h1 qwen3_next" `mixed`; `parts` (03-05); `parts unpack matrix` (06-07 +
+# .pair/data) with PARALLEL=1 E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3
+# E2E_ONLY="ar/none bole_tree/draft_model/async bole_tree/draft_model bole_tree/draft_model/beam4"; then as time
+# allows TREE_GRAPHS=1 PROFILE_BATCHES=128 `profile`, `treegraphs`, `kernelspeed`, NEWARCHS=zamba2 `newarchs`.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
