@@ -50,8 +50,8 @@ Fields (every other key is refused, with the list of allowed ones):
 * ``draft_beam``: ``0`` (default): the paged draft model drafts its greedy chain with the top-``k``
   candidates per depth (each step one CUDA graph replay); ``w >= 1``: it drafts the tree node by node,
   the ``w`` best frontier nodes of every request and depth through one draft forward, every node's
-  children from its own context (:mod:`vllm_bole.spec_decode.paged_tree_draft`; eager;
-  ``w * (max_depth - 1) <= 256``). ``draft_model`` with the paged runtime only.
+  children from its own context (:mod:`vllm_bole.spec_decode.paged_tree_draft`; each step one CUDA graph
+  replay, as the chain's; ``w * (max_depth - 1) <= 256``). ``draft_model`` with the paged runtime only.
 * ``prompt_lookup_min`` / ``prompt_lookup_max``: suffix lengths matched (``ngram`` only; default
   1 / 4): every earlier occurrence of the context's last ``n`` tokens votes, with weight ``4 ** n``,
   for what followed it (``vllm_bole.spec_decode.ngram``).
