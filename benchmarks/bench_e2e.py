@@ -168,7 +168,7 @@ def engines(part: str, quick: bool, targets: bool = False) -> list[dict]:
     # the same draft under vLLM's async scheduling (AR's and vLLM's chain's default): the engine's booked drafts
     # ASYNC_BUDGET, its fixed budget and the controller within it
     trees.insert(6, dict(mode="bole_tree", drafter="draft_model", k=ASYNC_BUDGET, async_scheduling=True,
-                         cells=[c + (b,) for c in full for b in (ASYNC_BUDGET, "auto")]))
+                         cells=[c + (b,) for c in sweep for b in (ASYNC_BUDGET, "auto")]))
     chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
     chains += [dict(mode="bole_chain", drafter=d, k=None,
