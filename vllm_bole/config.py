@@ -62,9 +62,10 @@ Fields (every other key is refused, with the list of allowed ones):
 
 * ``async_scheduling``: ``False`` (default) or ``True``: vLLM's async scheduling (the engine schedules
   the next step and processes the last one's output while the GPU runs a step); the tree runner then
-  settles each step at the start of the next one (:meth:`~vllm_bole.adapter.runner.TreeRunnerMixin._bole_settle`),
-  every request is booked ``num_speculative_tokens`` drafts (a smaller tree is padded with
-  never-accepted leaves), and logprobs make a step wait for its results. Opt-in until measured on a GPU.
+  settles each step at the start of the next one (:meth:`~vllm_bole.adapter.runner.TreeRunnerMixin._bole_settle`);
+  the scheduler books ``num_speculative_tokens`` drafts a request (KV slots, token budget), which the runner
+  cuts to its trees; logprobs make a step wait for its results; drafters ``ngram`` and ``draft_model`` only;
+  requests with structured output are refused. Opt-in until measured on a GPU.
 
 Errors name the field and its allowed values (:class:`ConfigError`).
 """
