@@ -96,6 +96,17 @@ def _resumed(scheduler_output):
     return getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ()
 
 
+def _token_grid(P: int, plain, trees: torch.Tensor) -> torch.Tensor:
+    """The step's sampled tokens as vLLM's rejection sampler lays them out, ``[P + B, W]`` int64 on ``trees``'
+    device, ``-1`` padded: the ``P`` plain rows' tokens (the first ``P`` rows of vLLM's sampler output
+    ``plain``), then the trees' emitted tokens ``trees`` ``[B, W]``."""
+    grid = torch.full((P + trees.shape[0], trees.shape[1]), -1, dtype=torch.int64, device=trees.device)
+    if P:
+        grid[:P, 0] = plain.sampled_token_ids[:P, 0].to(trees.device)
+    grid[P:] = trees
+    return grid
+
+
 class _ForwardTimer:
     """The target forward of a tree step: CUDA events (read once the step's results are on the host,
     so no extra sync), wall time elsewhere."""
@@ -513,7 +524,7 @@ class TreeRunnerMixin:
             mrope = self.mrope_positions.gpu
             mrope[:, s : s + T] = (pos + upload(delta, pos.device)[step.tree.request_index]).to(mrope.device, mrope.dtype)
         # the trees' tokens (with async scheduling vLLM's rows hold placeholders for the drafts); placeholders
-        # (-1: vLLM's padding, a tree's padding leaves) must not reach the embedding
+        # (-1: vLLM's padding of a new request's drafts) must not reach the embedding
         self.input_ids.gpu[s : s + T] = step.tree.token_ids.clamp(min=0)
         self._bole_stats["prefill_mixed_tree_steps"] += prefill
         if self._bole_stats["tree_steps"] < CHECKED_STEPS:
@@ -676,19 +687,11 @@ class TreeRunnerMixin:
             launch_s = time.perf_counter() - t1
             t1 += launch_s
         if self._bole_async and md.max_num_logprobs is None:  # the host work that needs the results: next step
-            grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int32,
-                              device=logits.device)
-            if P:
-                grid[:P, 0] = plain.sampled_token_ids[:P, 0]
-            grid[P:] = res.output_token_ids
             self._bole_unsettled = (fetch, step, P, launch_s)
             self._bole_stats["finish_s"] += time.perf_counter() - t1
-            return SamplerOutput(sampled_token_ids=grid, logprobs_tensors=None)
+            return SamplerOutput(sampled_token_ids=_token_grid(P, plain, res.output_token_ids).int(), logprobs_tensors=None)
         host = fetch()  # the forward has run
-        grid = torch.full((P + tree.num_requests, res.output_token_ids.shape[1]), -1, dtype=torch.int64)
-        if P:
-            grid[:P, 0] = plain.sampled_token_ids[:P, 0].long().cpu()
-        grid[P:] = host.output_token_ids
+        grid = _token_grid(P, plain, host.output_token_ids)
         logprobs = None
         if md.max_num_logprobs is not None:
             logprobs = emitted_logprobs(self.sampler, self._bole_logprobs_mode, logits, P, step.host_tree, host, grid,
