@@ -172,11 +172,20 @@
 # engine work a step overlapped, README "Host work that AR hides"; if it fails, bring the log home and leave async
 # out of the rest), then put `bole_tree/draft_model/async` first in the matrix's E2E_ONLY (it books ASYNC_BUDGET = 8
 # drafts a request: its cells are budget 8 and "auto"), and ONLINE_MODES="ar bole_tree bole_async" for `online`.
-# Next stay, in order: parts p00, p01; `install`; `draft`; `parts graphs` (pieces 00-02 + pair.sha256 + .pair/tiny);
-# `async`; MIXED="granitemoehybrid falcon_h1 qwen3_next" `mixed`; `parts` (03-05); `parts unpack matrix` (06-07 +
-# .pair/data) with PARALLEL=1 E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3
-# E2E_ONLY="ar/none bole_tree/draft_model/async bole_tree/draft_model bole_tree/draft_model/beam4"; then as time
-# allows TREE_GRAPHS=1 PROFILE_BATCHES=128 `profile`, `treegraphs`, `kernelspeed`, NEWARCHS=zamba2 `newarchs`.
+# Ran at 804699f (a short stay, lent late in session 17): `install` (p02 + install.sh + pair.sha256), pieces 00-02 and
+# 03-05 as `parts`, `parts unpack async` (06-07; 234 s), `draft` (83 s), ASYNC_BATCHES="8 32" `async` (stopped at 8:
+# its bf16 streams part from AR on 1 of 8, as the synchronous trees' do; the check wants identical_async, so run the
+# batches one by one or read tree=async from the JSON), ASYNC_BATCHES=32 `async` (203 s), `parts graphs` with .pair/tiny
+# (241 s): 1157 s held. Results: README status. LESSON: with those results committed the repository (9.2 MB tracked)
+# plus one 55 MiB bundle part no longer fits a run's 64 MiB: re-split the bundle in four parts (build.sh, `split -n 4`)
+# before the next stay, or carry p00 with older result files moved aside for that run.
+# Next stay, in order: parts p00..; `install`; `parts` (pieces 00-02 + pair.sha256 + .pair/tiny); MIXED="granitemoehybrid
+# falcon_h1 qwen3_next" `mixed`; `parts` (03-05); `parts unpack matrix` (06-07 + .pair/data) with PARALLEL=1
+# E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model/async
+# bole_tree/draft_model bole_tree/draft_model/beam4" (the targets on MT-Bench with async; c = 1 measured 1.38x AR on
+# random prompts); ONLINE_MODES="ar bole_tree bole_async" `online`; TREE_GRAPHS=1 PROFILE_BATCHES=128 `profile`, and
+# the node-by-node drafter's host work at B = 128 (86 ms a step around a 3.5 ms replay); `treegraphs`, `kernelspeed`,
+# NEWARCHS=zamba2 `newarchs`.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
