@@ -178,7 +178,9 @@
 # batches one by one or read tree=async from the JSON), ASYNC_BATCHES=32 `async` (203 s), `parts graphs` with .pair/tiny
 # (241 s): 1157 s held. Results: README status. LESSON: with those results committed the repository (9.2 MB tracked)
 # plus one 55 MiB bundle part no longer fits a run's 64 MiB: re-split the bundle in four parts (build.sh, `split -n 4`)
-# before the next stay, or carry p00 with older result files moved aside for that run.
+# before the next stay, or carry p00 with older result files moved aside for that run. Done after the stay: the
+# local .vllm-gpu now holds four parts of 41 MiB (p00..p03, the same bundle, checked): runs `parts` with p00, p01,
+# p02 (each with up to ~12 MiB beside it: pair.sha256, .pair/tiny), then p03 + install.sh as `install`.
 # Next stay, in order: parts p00..; `install`; `parts` (pieces 00-02 + pair.sha256 + .pair/tiny); MIXED="granitemoehybrid
 # falcon_h1 qwen3_next" `mixed`; `parts` (03-05); `parts unpack matrix` (06-07 + .pair/data) with PARALLEL=1
 # E2E_SECONDS=500 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model/async
