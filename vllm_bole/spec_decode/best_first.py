@@ -52,7 +52,7 @@ from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
 
 __all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search", "level_search_packed",
-           "packed_children", "packed_level", "packed_trees", "root_only_packed", "search_state", "unpack_slots"]
+           "free_slots", "packed_children", "packed_level", "packed_trees", "root_only_packed", "search_state", "unpack_slots"]
 # per-depth candidates: the priority-queue search up to this many slots in the batch (B * (largest
 # budget + 1)), the level-wise numpy search above. best_first_tree, depth 6, 16 candidates, budget 16,
 # on a 2-core Xeon: 0.59 against 0.82 ms at 1 request, 0.99 against 1.14 ms at 8; equal near 270
@@ -419,12 +419,12 @@ def level_search_packed(root: torch.Tensor, prob: torch.Tensor, tok: torch.Tenso
         main, other = (_log_scores(vals, f[:, k][None]) for k in (torch.where(col == 0, 0, 1), torch.full_like(col, 2)))
         return level_search_triton(root, main, other, tok.double(), vals.double(), caps, S)
     st = search_state(root, S)
-    keep_n = (caps.long() + 1)[:, None]
+    keep_n, free = (caps.long() + 1)[:, None], free_slots(st)
     every = torch.arange(S, device=dev).expand(B, S)
     for d in range(L):  # every slot a parent: the depth-d ones get the row's depth-d candidates
         val = torch.where((st[..., S_DEP] == d)[..., None], vals[:, d, None], 0.0)
         st = packed_level(st, packed_children(st, every, tok[:, d, None].expand(B, S, c), val, d + 1, calibration),
-                          keep_n)
+                          keep_n, free)
     return packed_trees(st)
 
 
@@ -446,6 +446,14 @@ def search_state(root: torch.Tensor, slots: int, extra: int = 0) -> torch.Tensor
     return torch.cat([st, st.new_full((*st.shape[:2], extra), -1.0)], -1)
 
 
+def free_slots(st: torch.Tensor) -> torch.Tensor:
+    """:func:`packed_level`'s template for the search state ``st`` [B, S, F]: ``[B, S + 1, F]`` free slots
+    (:data:`FREE_SLOT`, the caller's fields -1; the last slot a dump), made once per search (a level that made
+    its own would add its fills to every level's kernels)."""
+    B, S, F = st.shape
+    return torch.cat([_slot(FREE_SLOT, st.device)[1:], st.new_full((F - 6,), -1.0)]).expand(B, S + 1, F)
+
+
 def packed_children(st: torch.Tensor, pslot: torch.Tensor, tok: torch.Tensor, prob: torch.Tensor, depth: int,
                     calibration: torch.Tensor) -> torch.Tensor:
     """The candidate children of the nodes at slots ``pslot`` [B, F] of the search state ``st`` [B, S, n]:
@@ -465,13 +473,14 @@ def packed_children(st: torch.Tensor, pslot: torch.Tensor, tok: torch.Tensor, pr
     return torch.stack(fields, -1).view(B, F * c, st.shape[-1])
 
 
-def packed_level(st: torch.Tensor, child: torch.Tensor, keep_n: torch.Tensor) -> torch.Tensor:
+def packed_level(st: torch.Tensor, child: torch.Tensor, keep_n: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
     """One level of the packed search (:func:`grow`'s selection and compaction with fixed shapes): the
     kept nodes ``st`` [B, S, F] (fields ``token, parent, depth, kind, logrho, qprob``, then any of the
     caller's; free slots: depth -1, logrho -inf) and the level's candidate children ``child`` [B, M, F]
     in :func:`grow`'s candidate order (by parent slot, then rank; ``parent`` = the parent's slot before
     this level; logrho -inf: no child) -> the next level's kept nodes [B, S, F]: per row the ``keep_n``
-    [B, 1] best by (logrho desc, position asc) in candidate order, parents renumbered, free slots after."""
+    [B, 1] best by (logrho desc, position asc) in candidate order, parents renumbered, free slots after
+    (``free``: :func:`free_slots` of ``st``)."""
     B, S, F = st.shape
     M = S + child.shape[1]
     dev = st.device
@@ -483,9 +492,7 @@ def packed_level(st: torch.Tensor, child: torch.Tensor, keep_n: torch.Tensor) ->
     # the parent's slot before this level -> after it (-1 stays -1)
     minus1 = torch.full((B, 1), -1, dtype=torch.long, device=dev)
     cand[..., S_PAR] = torch.cat([minus1, newpos[:, :S]], 1).gather(1, cand[..., S_PAR].long() + 1).double()
-    free = search_state(torch.zeros(1, dtype=torch.long, device=dev), 2, F - 6)[0, 1]  # a free slot
-    return free.expand(B, S + 1, F).clone().scatter_(1, torch.where(keep, newpos, S)[..., None].expand(B, M, F),
-                                                     cand)[:, :S]
+    return free.clone().scatter_(1, torch.where(keep, newpos, S)[..., None].expand(B, M, F), cand)[:, :S]
 
 
 def packed_trees(st: torch.Tensor) -> torch.Tensor:

@@ -33,10 +33,10 @@ from typing import Sequence
 
 import torch
 
-from vllm_bole.spec_decode.best_first import (S_DEP, S_LOG, S_PAR, S_TOK, Slots, grow, packed_children, packed_level,
-                                              packed_trees, search_state)
+from vllm_bole.spec_decode.best_first import (S_DEP, S_LOG, S_PAR, S_TOK, Slots, free_slots, grow, packed_children,
+                                              packed_level, packed_trees, search_state)
 from vllm_bole.spec_decode.paged_draft import WORDS, PagedDraftModel
-from vllm_bole.spec_decode.tree import MAX_NODES
+from vllm_bole.spec_decode.tree import MAX_NODES, int32_words
 
 __all__ = ["PagedTreeDraftModel"]
 
@@ -99,11 +99,11 @@ class PagedTreeDraftModel(PagedDraftModel):
         B, dev, S, w, c = p.shape[0], p.device, self.slots, self.beam, self.top_k
         ROW = 6
         L, dep, table, cal = bufs["start"] + bufs["count"], bufs["dep"], bufs["table"], bufs["cal"]
-        keep_n = (bufs["caps"] + 1)[:, None]
         st = search_state(bufs["root"], S, extra=1)
-        first = torch.where((dep > 0)[:, None], p[:, :c], 0.0)
-        st = packed_level(st, packed_children(st, torch.zeros_like(dep)[:, None], t[:, None, :c], first[:, None], 1, cal),
-                          keep_n)
+        keep_n, free = (bufs["caps"] + 1)[:, None], free_slots(st)
+        first = torch.where((dep > 0)[:, None], p[:, :c], 0.0)[:, None]
+        st = packed_level(st, packed_children(st, torch.zeros_like(dep)[:, None], t[:, None, :c], first, 1, cal),
+                          keep_n, free)
         slot_ids, lanes = torch.arange(S, device=dev).expand(B, S), torch.arange(w, device=dev)
         word = torch.arange(WORDS, device=dev)
         anc = torch.zeros(B, w * max(levels, 1), WORDS, dtype=torch.int64, device=dev)  # ancestor bits by row
@@ -124,13 +124,13 @@ class PagedTreeDraftModel(PagedDraftModel):
             st[..., ROW] = st[..., ROW].scatter(1, fslot, torch.where(live, j.double(), st[..., ROW].gather(1, fslot)))
             kv = torch.where(live, L[:, None] + j, 0)
             slots = torch.where(live, self._slots(table, kv), 0)  # dead rows: the trash page
-            mask = _Frontier(cu, torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(B * w, WORDS), w)
+            mask = _Frontier(cu, int32_words(words).view(B * w, WORDS), w)
             logits = self._forward(st[..., S_TOK].gather(1, fslot).long().flatten(),
                                    (L - 1 + d)[:, None].expand(B, w).flatten(), L, table, mask, max_kv_len,
                                    num_keys=torch.where(d < dep, d * w, 0).to(torch.int32), slots=slots.flatten())
             pc, tc = (x.view(B, w, -1)[..., :c] for x in self._topk(logits))
             st = packed_level(st, packed_children(st, fslot, tc, torch.where(live[..., None], pc, 0.0), d + 1, cal),
-                              keep_n)
+                              keep_n, free)
         return packed_trees(st)
 
     def _host_trees(self, roots, histories: Sequence, depths: Sequence[int], caps: torch.Tensor, *, keys,
@@ -186,8 +186,7 @@ class PagedTreeDraftModel(PagedDraftModel):
             anc[gb, j] = words
             cu = torch.zeros(uniq.numel() + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(sizes, 0)
-            i32 = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-            mask = _Frontier(cu.to(dev), i32.to(dev), int(sizes.max()))
+            mask = _Frontier(cu.to(dev), int32_words(words).to(dev), int(sizes.max()))
             rr = row_of[uniq]
             logits = self._forward(s.token[gb, gs].to(dev), (Lt[row_of[gb]] - 1 + d).to(dev), Lt[rr].to(dev),
                                    table[rr.to(dev)], mask, int((Lt[rr] + count[uniq]).max()),

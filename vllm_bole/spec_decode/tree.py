@@ -39,6 +39,12 @@ MAX_DEPTH = 64
 MAX_NODES = 256
 
 
+def int32_words(bits: torch.Tensor) -> torch.Tensor:
+    """Ancestor bits held as int64 words (values ``0 .. 2**32 - 1``, 32 nodes a word) -> the int32 words
+    ``anc_mask`` holds (the same 32 bits, two's complement)."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+
+
 class TreeError(ValueError):
     """A tree batch that violates the conventions above; the message names the field."""
 
@@ -219,8 +225,7 @@ class TreeBatch:
         bits = torch.zeros(T, words, dtype=torch.int64, device=dev)
         bits[:, 0] = 1
         bits[torch.arange(T, device=dev), local // 32] |= torch.where(local > 0, 1 << (local % 32), 0)
-        bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-        anc = torch.where(isreal[:, None], self.anc_mask[src], bits)
+        anc = torch.where(isreal[:, None], self.anc_mask[src], int32_words(bits))
         q = None if self.draft_prob is None else torch.where(isreal, self.draft_prob[src], (local == 0).float())
         # placeholders: the root and its first child on the main path, later children branches
         kind = None if self.node_kind is None else torch.where(isreal, self.node_kind[src], (local > 1).long())
@@ -373,7 +378,7 @@ class TreeBatch:
         packed.view(-1).scatter_add_(
             0, (rows[:, None] * words + path // 32)[ok], torch.ones_like(path)[ok] << (path % 32)[ok]
         )
-        anc_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        anc_mask = int32_words(packed)
         return cls(
             token_ids=token_ids.long(),
             parent=parent.to(torch.int32),
