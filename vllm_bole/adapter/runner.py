@@ -35,8 +35,8 @@ With async scheduling (the tree config's ``async_scheduling``) vLLM's scheduler 
 step ``N``'s output is known (``num_speculative_tokens`` placeholder drafts per request, all taken as
 accepted) and never takes drafts: ``_sample`` returns the token grid on the device and leaves the host work
 on its results to the next step; ``_update_states`` of step ``N + 1`` then settles step ``N``
-(:meth:`TreeRunnerMixin._bole_settle`) before the inputs are laid out, and ``_bole_build_step`` pads each
-drafted tree to its booked drafts.
+(:meth:`TreeRunnerMixin._bole_settle`) before the inputs are laid out, cutting each request's booked drafts
+to its drafted tree in the runner's copy of the scheduler output.
 
 The model side (layers, KV cache specs, metadata builders) is built without vLLM's speculative
 config (see :mod:`vllm_bole.adapter.worker`): one recurrent state slot per request, plain conv
@@ -176,7 +176,8 @@ class TreeRunnerMixin:
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
                                 chained_drafts=0, accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0,
-                                verify_commit_s=0.0, finish_s=0.0, settle_s=0.0, settled_steps=0, prepare_s=0.0, prepare_vllm_s=0.0, forward_s=0.0,
+                                verify_commit_s=0.0, finish_s=0.0, settle_s=0.0, settled_steps=0, prepare_s=0.0,
+                                prepare_vllm_s=0.0, forward_s=0.0,
                                 **{f"timed_{k}_steps{u}": z for k in STEP_KINDS for u, z in (("", 0), ("_s", 0.0))})
         # the engine step under way: its kind (STEP_KINDS), when its input preparation began; when the last one's
         # sampling ended
@@ -689,7 +690,8 @@ class TreeRunnerMixin:
         if self._bole_async and md.max_num_logprobs is None:  # the host work that needs the results: next step
             self._bole_unsettled = (fetch, step, P, launch_s)
             self._bole_stats["finish_s"] += time.perf_counter() - t1
-            return SamplerOutput(sampled_token_ids=_token_grid(P, plain, res.output_token_ids).int(), logprobs_tensors=None)
+            return SamplerOutput(sampled_token_ids=_token_grid(P, plain, res.output_token_ids).int(),
+                                 logprobs_tensors=None)
         host = fetch()  # the forward has run
         grid = _token_grid(P, plain, host.output_token_ids)
         logprobs = None
@@ -1006,11 +1008,14 @@ class TreeRunnerMixin:
         if choice is not None:
             self._bole_budget.chosen(choice)
             self._bole_metrics.observe("vllm:bole_budget_nodes", choice.total)
-        flat = tree.draft_token_ids()
-        self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, flat)
-        from vllm.v1.outputs import DraftTokenIds
+        if self._bole_async:  # the scheduler takes no drafts (it booked placeholders): the trees alone
+            self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, None)
+        else:
+            from vllm.v1.outputs import DraftTokenIds
 
-        self._bole_drafts = DraftTokenIds(req_ids, flat)
+            flat = tree.draft_token_ids()
+            self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, flat)
+            self._bole_drafts = DraftTokenIds(req_ids, flat)
         dt = launch_s + time.perf_counter() - t0
         self._bole_stats["draft_s"] += dt
         self._bole_metrics.observe("vllm:bole_draft_seconds", dt)

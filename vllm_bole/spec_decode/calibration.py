@@ -62,8 +62,8 @@ def node_kinds(tree: TreeBatch) -> torch.Tensor:
 
 def kind_counts(tree: TreeBatch, accepted_nodes: torch.Tensor) -> torch.Tensor:
     """``[MAX_DEPTH + 1, 3 kinds, 3]`` float64 (:data:`COUNTS`: reached, accepted, expected) of the
-    draft nodes of ``tree`` (placeholders, token -1, excluded) (row 0, the roots, stays zero) under ``accepted_nodes`` ``[B, L + 1]``
-    (local indices, root first, -1 padded). ``expected`` needs ``tree.draft_prob`` (else zero). On the
+    draft nodes of ``tree`` (placeholders, token -1, are none; row 0, the roots, stays zero) under
+    ``accepted_nodes`` ``[B, L + 1]`` (local indices, root first, -1 padded). ``expected`` needs ``tree.draft_prob`` (else zero). On the
     host in numpy (the runner counts every tree step's host tree: ~15 torch operations were 60 us)."""
     T = tree.num_nodes
     parent = tree.parent_flat.cpu().numpy()
