@@ -445,7 +445,9 @@ def test_async_scheduling_leaves_outputs_unchanged(engines, models, arch, drafte
     print(f"{arch} {drafter} async: {st['settled_steps']} settled of {st['steps']} steps, {st['tree_steps']} tree steps, "
           f"{st['accepted']} accepted, {st['drafted_nodes']} drafted, {st['placeholder_trees']} placeholder trees, "
           f"settle {1000 * st['settle_s'] / max(st['settled_steps'], 1):.1f} ms a step")
-    assert st["settled_steps"] >= st["steps"] - 1 and st["tree_steps"] >= st["steps"] // 2 and st["accepted"] > 0
+    assert st["settled_steps"] >= st["steps"] - 1 and st["tree_steps"] >= st["steps"] // 2
+    # a fixed budget drafts every step; the controller's ("auto") follows the machine's timings and may draft none
+    assert st["accepted"] > 0 or budget == "auto"
     if arch == "llama":
         assert st["chained_drafts"] == st["tree_steps"] and st["split_tree_steps"] >= 2
         assert st["graph_tree_steps"] >= st["tree_steps"] // 2
