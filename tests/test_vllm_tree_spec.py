@@ -42,6 +42,9 @@ from vllm_bole.testing.lossless import compare_greedy
 from vllm_bole.testing.stats import sample_homogeneity
 from vllm_bole.testing.tiny_models import CPU_ARCHS, VLLM_DIFFERS_FROM_HF, checkpoint_dtype
 
+# budget "auto" with tree steps always: every request with candidates gets at least one node, so how many steps
+# are trees follows the drafter's candidates, never the machine's timings (which only size the trees)
+AUTO_TREES = dict(plain_fallback=False, min_budget=1)
 
 
 def _check_equal(arch, base, ours):
@@ -398,14 +401,17 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
              if drafter == "perturbed" else None)
     r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"},
                               spec=spec_config("ngram" if draft is None else "draft_model", draft,
-                                               budget=budget, **({"plain_fallback": False} if budget == "auto" else {})),
+                                               budget=budget, **(AUTO_TREES if budget == "auto" else {})),
                               fault=fault)
     ours = r["jobs"][0]
     _check_equal(arch, base, ours)
     st = ours["stats"]
     print(f"{arch} {drafter} budget {budget} tree graphs: {ours['tree_graphs']} buckets, {st['graph_tree_steps']} "
           f"of {st['tree_steps']} tree steps ({st['steps']} steps), {st.get('budget_nodes')} nodes chosen")
-    assert ours["tree_graphs"][0] > 0 and st["graph_tree_steps"] >= st["steps"] // 2
+    # every tree step runs from its graph; a fixed budget drafts every step, the controller ("auto") whenever
+    # the n-gram drafter has candidates (its budgets follow the machine's timings, at least min_budget)
+    assert ours["tree_graphs"][0] > 0 and st["graph_tree_steps"] == st["tree_steps"] > 0
+    assert st["tree_steps"] >= st["steps"] // 2 or budget == "auto", (st["tree_steps"], st["steps"])
     assert (st["split_tree_steps"] >= 2) == (concurrency is not None), st["split_tree_steps"]
     assert (st["split_padding_rows"] > 0) == (fault is not None), st["split_padding_rows"]
     timed = {k: st[f"timed_{k}_steps"] for k in ("trees", "mixed", "plain")}  # engine steps timed by kind
@@ -437,17 +443,16 @@ def test_async_scheduling_leaves_outputs_unchanged(engines, models, arch, drafte
              if drafter == "perturbed" else None)
     r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"} if graphs else None,
                               spec=spec_config("ngram" if draft is None else "draft_model", draft, budget=budget,
-                                               async_scheduling=True,
-                                               **({"plain_fallback": False} if budget == "auto" else {})))
+                                               async_scheduling=True, **(AUTO_TREES if budget == "auto" else {})))
     ours = r["jobs"][0]
     _check_equal(arch, base if bf16 else dict(tokens=base["tokens"]), ours)
     st = ours["stats"]
     print(f"{arch} {drafter} async: {st['settled_steps']} settled of {st['steps']} steps, {st['tree_steps']} tree steps, "
           f"{st['accepted']} accepted, {st['drafted_nodes']} drafted, {st['placeholder_trees']} placeholder trees, "
           f"settle {1000 * st['settle_s'] / max(st['settled_steps'], 1):.1f} ms a step")
-    assert st["settled_steps"] >= st["steps"] - 1 and st["tree_steps"] >= st["steps"] // 2
-    # a fixed budget drafts every step; the controller's ("auto") follows the machine's timings and may draft none
-    assert st["accepted"] > 0 or budget == "auto"
+    assert st["settled_steps"] >= st["steps"] - 1 and st["tree_steps"] > 0
+    # a fixed budget drafts every step; the controller's ("auto") budgets follow the machine's timings
+    assert (st["tree_steps"] >= st["steps"] // 2 and st["accepted"] > 0) or budget == "auto"
     if arch == "llama":
         assert st["chained_drafts"] == st["tree_steps"] and st["split_tree_steps"] >= 2
         assert st["graph_tree_steps"] >= st["tree_steps"] // 2
