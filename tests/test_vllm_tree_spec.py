@@ -213,7 +213,7 @@ def test_tree_drafting_inside_vllm(engines, models):
     r = engine_run.run_engine(models["llama"], [engine_run.generate_job(engines.prompts("llama"), MAX_TOKENS,
                                                                         logprobs=logprobs_k("llama"))],
                               spec=spec_config("draft_model", models["llama"], draft_beam=2, budget="auto",
-                                               plain_fallback=False))
+                                               **AUTO_TREES))
     ours = r["jobs"][0]
     _check_equal("llama", base, ours)
     st = ours["stats"]
@@ -288,7 +288,7 @@ def _mixed_requests(prompts, long_prompt, abort: bool):
 def test_mixed_batch_with_abort(engines, models, asynchronous):
     """Prompts arriving while others decode (chunked prefill), an abort, sampling and penalties, with
     ``budget: "auto"`` (the controller and the speculation switch between tree steps and plain
-    decoding): every other stream equals non-speculative vLLM. ``asynchronous``: under async scheduling (the
+    decoding; ``min_budget`` 1, so that tree steps draft whatever the machine's timings): every other stream equals non-speculative vLLM. ``asynchronous``: under async scheduling (the
     switch's plain steps: every booked draft cut, root-only trees)."""
     arch = "nemotron_h"  # attention + Mamba2 layers
     m = models[arch]
@@ -297,7 +297,8 @@ def test_mixed_batch_with_abort(engines, models, asynchronous):
     kw = dict(llm_kwargs=dict(max_num_batched_tokens=64, enable_chunked_prefill=True))
     base = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, False), 40)], **kw)
     r = engine_run.run_engine(m, [engine_run.mixed_job(_mixed_requests(prompts, long_prompt, True), 40)],
-                              spec=spec_config("draft_model", m, budget="auto", async_scheduling=asynchronous), **kw)
+                              spec=spec_config("draft_model", m, budget="auto", min_budget=1,
+                                               async_scheduling=asynchronous), **kw)
     b, o = base["jobs"][0]["outputs"], r["jobs"][0]["outputs"]
     for rid in ("g0", "pen", "long", "g2", "one"):
         assert o[rid]["tokens"] == b[rid]["tokens"], rid
