@@ -2,7 +2,7 @@
 
 Run on the H200 (under 6 minutes):
     python benchmarks/bench_mamba2_tree.py            # writes $OUT/mamba2_tree.json (or benchmarks/results/)
-    python benchmarks/bench_mamba2_tree.py --quick    # a few shapes
+    python benchmarks/bench_mamba2_tree.py --quick    # a few shapes (and the launch-config probe at B = 32, N = 64)
     TRITON_INTERPRET=1 python benchmarks/bench_mamba2_tree.py --smoke   # CPU: tiny shapes, every
                                                       # method once and checked, no timing, no file
 
@@ -32,6 +32,7 @@ Accuracy: ours against the float64 oracle on the GPU for bf16 and fp32 inputs (o
 committed state), and both baselines against the oracle, before any timing.
 """
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -256,7 +257,8 @@ def check_baselines(cfg, dtype, dev, B=3, N=16, seed=5):
 
 
 def probe_configs(cfg, B, N, dev):
-    """ours (stash + fused step) over kernel launch configs, for choosing defaults."""
+    """ours (stash + fused step) over kernel launch configs (P tile, node rows per block, warps; the
+    defaults at N = 64, d_state 128: BP 64, one block of 64 rows, 4 warps), for choosing defaults."""
     from csrc_triton.ssd_tree import ssd_tree_step as launch
 
     H, G, P, Nst = cfg
@@ -265,16 +267,15 @@ def probe_configs(cfg, B, N, dev):
     pending = PendingPath.empty(B, c["P"], H, G, P, Nst, device=dev)
     kw = layer_kw(c)
     res = {}
-    for bp in (32, 64):
-        for nw in (4, 8):
-            def step(bp=bp, nw=nw):
-                stash_accepted_path(pending, c["slots_dev"], c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"])
-                return launch(c["x"], c["dt"], c["A"], c["Bm"], c["Cm"], c["tree_dev"], state, c["slots_dev"], pending,
-                              kw["D"], kw["dt_bias"], True, kw["dt_limit"], block_p=bp, num_warps=nw)
-            try:
-                res[f"BP{bp}_w{nw}"] = bench_ms(step, rep=30)
-            except Exception as e:  # a config that does not compile or run is reported, not fatal
-                res[f"BP{bp}_w{nw}"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+    for bp, br, nw in itertools.product((32, 64), (64, 32, 16), (4, 8)):  # P tile, node rows per block, warps
+        def step(bp=bp, br=br, nw=nw):
+            stash_accepted_path(pending, c["slots_dev"], c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"])
+            return launch(c["x"], c["dt"], c["A"], c["Bm"], c["Cm"], c["tree_dev"], state, c["slots_dev"], pending,
+                          kw["D"], kw["dt_bias"], True, kw["dt_limit"], block_p=bp, block_r=br, num_warps=nw)
+        try:
+            res[f"BP{bp}_BR{br}_w{nw}"] = bench_ms(step, rep=30)
+        except Exception as e:  # a config that does not compile or run is reported, not fatal
+            res[f"BP{bp}_BR{br}_w{nw}"] = f"error: {type(e).__name__}: {str(e)[:120]}"
     return res
 
 
@@ -362,7 +363,7 @@ def main():
         print(f"\nwall {time.time() - t0:.0f} s\nsmoke: every method ran and matched the oracle; nothing written")
         return
     probe = {}
-    if not (args.quick or args.no_probe) and time.time() - t0 < 270:
+    if not args.no_probe and time.time() - t0 < 270:
         save(rows, probe)  # the probe tries untested launch configs last: a crash there loses nothing
         for name, cfg in configs.items():
             probe[f"{name}/B32/N64"] = probe_configs(cfg, 32, 64, dev)

@@ -188,6 +188,14 @@
 # random prompts); ONLINE_MODES="ar bole_tree bole_async" `online`; TREE_GRAPHS=1 PROFILE_BATCHES=128 `profile`, and
 # the node-by-node drafter's host work at B = 128 (86 ms a step around a 3.5 ms replay); `treegraphs`, `kernelspeed`,
 # NEWARCHS=zamba2 `newarchs`.
+# 2026-12-05 (eighteenth session, bb16699): a fresh checkout (no .pair weights: the kept pair is gone, so the next
+# stay trains again, `parts train keep`; the bundle rebuilt by build.sh in four parts of 54 MB: p00 plus the 9.2 MB
+# repository is 63 MB, under the 64 MiB) and 459 s of device time for the session; the first start was refused (90 s
+# counted). `draft kernelspeed` alone (131 s wall, 309 s held with the machine start): node-by-node drafting 2.1 /
+# 2.6 / 3.2 / 5.1 ms a step at B = 1 / 8 / 32 / 128 (the 86 ms at B = 128 before were bench_draft's own B^2 loop);
+# SSD 4.3-4.5x and tree attention 2.1x their floors at B = 32, N = 64, as before. `kernelspeed` now ends with SSD's
+# launch-config probe (never run on the H200: the defaults at N = 64 are guesses): set ssd_tree_step's defaults
+# from its `probe` rows. Next stay as planned above (parts, install, mixed, train, matrix with async).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -382,10 +390,11 @@ build_draft(o, Path('/tmp/pd/tokenizer'), 'bfloat16')" > "$OUT/costprof_build.lo
 }
 
 stage_kernelspeed() {  # issue 14: the SSD and tree-attention kernels against their floors, quick shapes (B = 32, N = 64
-    # among them; no vLLM needed; their H200 numbers predate the envelope rework). GDN needs FLA (not in the bundle).
+    # among them; no vLLM needed), then SSD's launch-config probe at B = 32, N = 64 (P tile x rows per block x warps,
+    # 12 configs a shape, `probe` in the JSON). GDN needs FLA (not in the bundle).
     timeout 280 python3 benchmarks/bench_mamba2_tree.py --quick > "$OUT/mamba2_tree.log" 2>&1
     timeout 280 python3 benchmarks/bench_tree_attention.py --quick > "$OUT/tree_attention.log" 2>&1
-    tail -8 "$OUT/mamba2_tree.log" "$OUT/tree_attention.log" | cut -c1-200
+    for f in mamba2_tree tree_attention; do tail -n 8 "$OUT/$f.log" | cut -c1-200; done
 }
 
 stage_kernels() {  # the Mamba1 tree kernel (issue 19): bench_mamba1_tree.py, ~100 s, no vLLM needed
