@@ -96,7 +96,7 @@ def padding_trees(requests: int, tokens: int, nodes: int) -> dict[str, np.ndarra
     anc[np.arange(tokens), local // 32] |= np.left_shift(1, local % 32)
     pad = dict(parent=np.where(local == 0, -1, 0).astype(np.int32), depth=(local > 0).astype(np.int32),
                sizes=sizes, path=np.stack([np.zeros(tokens, np.int32), np.where(local > 0, local, -1)], 1),
-               anc_mask=np.where(anc >= 2**31, anc - 2**32, anc).astype(np.int32),
+               anc_mask=anc.astype(np.uint32).view(np.int32),  # the same 32 bits, two's complement
                cu=np.cumsum(sizes).astype(np.int32))
     for a in pad.values():
         a.flags.writeable = False

@@ -49,7 +49,7 @@ import torch
 
 from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.candidates import Candidates
-from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
+from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch, int32_words
 
 __all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search", "level_search_packed",
            "free_slots", "packed_children", "packed_level", "packed_trees", "root_only_packed", "search_state", "unpack_slots"]
@@ -107,10 +107,9 @@ class Slots:
             path[at, d] = local[at]
             packed[at] = packed[pflat[at]] if d else 0
             packed[at, local[at] // 32] |= np.left_shift(1, local[at] % 32)
-        anc = np.where(packed >= 2**31, packed - 2**32, packed).astype(np.int32)
         t = torch.from_numpy
         return TreeBatch(token_ids=t(field("token")), parent=t(parent.astype(np.int32)), depth=t(depth.astype(np.int32)),
-                         cu_nodes=t(cu.astype(np.int32)), path=t(path.astype(np.int32)), anc_mask=t(anc),
+                         cu_nodes=t(cu.astype(np.int32)), path=t(path.astype(np.int32)), anc_mask=int32_words(t(packed)),
                          max_nodes=int(counts.max()), draft_prob=t(field("qprob")),
                          node_kind=t(field("kind"))).to(self.valid.device)
 

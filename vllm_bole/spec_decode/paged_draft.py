@@ -368,19 +368,26 @@ class PagedDraftModel:
     def _buffers(self, B: int, steps: int, search: bool) -> dict:
         """Inputs and outputs of :meth:`_step` for ``B`` rows; with ``search`` those of the tree search too.
         The inputs are views of one device buffer (``"inputs"``) that :meth:`_fill` overwrites with one copy."""
-        dev, K, S = self.device, self.top_k, self.depth + 1
+        dev, S = self.device, self.depth + 1
         like = [torch.empty(shape, dtype=dtype) for _, shape, dtype in self._inputs(B, search)]
         host, spans = pack(like)
         packed = torch.zeros_like(host, device=dev)
         bufs = dict(zip((name for name, _, _ in self._inputs(B, search)), unpack(packed, like, spans)))
-        bufs.update(inputs=packed, out_t=torch.zeros(B, steps + 1, K, dtype=torch.long, device=dev),
-                    out_p=torch.zeros(B, steps + 1, K, dtype=torch.float32, device=dev),
-                    mask=chain_mask([S] * B, dev), mask1=chain_mask([1] * B, dev))
+        bufs.update(inputs=packed, mask=chain_mask([S] * B, dev), **self._outputs(B, steps, search))
         bufs["count"].fill_(1)  # every row padding until the first fill (the graph's warm-up runs)
         if search:
             bufs["cal"].fill_(1.0)
-            bufs["tree"] = torch.zeros(B, self.slots, len(PACKED_FIELDS), dtype=torch.float64, device=dev)
         return bufs
+
+    def _outputs(self, B: int, steps: int, search: bool) -> dict:
+        """:meth:`_step`'s outputs for ``B`` rows (and the chain steps' one-token mask): the top-k per depth
+        ``out_t`` / ``out_p`` [B, steps + 1, K]; with ``search`` the trees ``tree`` [B, slots, PACKED_FIELDS]."""
+        dev, K = self.device, self.top_k
+        out = dict(out_t=torch.zeros(B, steps + 1, K, dtype=torch.long, device=dev),
+                   out_p=torch.zeros(B, steps + 1, K, dtype=torch.float32, device=dev), mask1=chain_mask([1] * B, dev))
+        if search:
+            out["tree"] = torch.zeros(B, self.slots, len(PACKED_FIELDS), dtype=torch.float64, device=dev)
+        return out
 
     def _step_graph(self, B: int):
         """(graph, static buffers) of :meth:`_step` with ``depth - 1`` chain steps for a batch bucket of

@@ -33,8 +33,8 @@ from typing import Sequence
 
 import torch
 
-from vllm_bole.spec_decode.best_first import (S_DEP, S_LOG, S_PAR, S_TOK, Slots, free_slots, grow, packed_children,
-                                              packed_level, packed_trees, search_state)
+from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, S_DEP, S_LOG, S_PAR, S_TOK, Slots, free_slots, grow,
+                                              packed_children, packed_level, packed_trees, search_state)
 from vllm_bole.spec_decode.paged_draft import WORDS, PagedDraftModel
 from vllm_bole.spec_decode.tree import MAX_NODES, int32_words
 
@@ -72,6 +72,13 @@ class PagedTreeDraftModel(PagedDraftModel):
 
     def _extra(self, D: int, W: int) -> int:
         return W + max(D, self.beam * max(D - 1, 0) + 1)
+
+    def _outputs(self, B: int, steps: int, search: bool) -> dict:
+        """With ``search`` the trees alone (searched level by level, :meth:`_levels`: no per-depth top-k
+        and no chain steps); without it the chain's outputs."""
+        if not search:
+            return super()._outputs(B, steps, search)
+        return dict(tree=torch.zeros(B, self.slots, len(PACKED_FIELDS), dtype=torch.float64, device=self.device))
 
     def _graphs_answer(self, search: dict | None) -> bool:
         """The step graphs search trees node by node; :meth:`propose`'s chain candidates (the warm-up's) run
