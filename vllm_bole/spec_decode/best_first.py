@@ -49,7 +49,7 @@ import torch
 
 from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.candidates import Candidates
-from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch, int32_words
+from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
 
 __all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search", "level_search_packed",
            "free_slots", "packed_children", "packed_level", "packed_trees", "root_only_packed", "search_state", "unpack_slots"]
@@ -96,22 +96,26 @@ class Slots:
         if budget is not None:  # the parents' slots -> their places among the kept slots
             newpos = v.cumsum(1) - 1
             parent = np.where(parent >= 0, newpos[req, np.maximum(parent, 0)], -1)
-        local = np.arange(T) - cu[:-1][req]
+        local = np.arange(T, dtype=np.int32) - cu[:-1][req].astype(np.int32)
         width = int(depth.max()) + 1
-        path = np.full((T, width), -1, np.int64)
-        packed = np.zeros((T, (MAX_NODES + 31) // 32), np.int64)  # ancestor bits (self included), 32 a word
+        path = np.full((T, width), -1, np.int32)
+        path[np.arange(T), depth] = local
         pflat = np.where(parent >= 0, parent + cu[:-1][req], 0)
-        for d in range(width):  # breadth-first: a parent's rows are complete before its children's
-            at = np.nonzero(depth == d)[0]
+        order = np.argsort(depth, kind="stable")
+        ends = np.searchsorted(depth[order], np.arange(1, width + 1))
+        for d in range(1, width):  # breadth-first: a parent's rows are complete before its children's
+            at = order[ends[d - 1]: ends[d]]
             path[at, :d] = path[pflat[at], :d]
-            path[at, d] = local[at]
-            packed[at] = packed[pflat[at]] if d else 0
-            packed[at, local[at] // 32] |= np.left_shift(1, local[at] % 32)
+        # ancestor bits (self included) from the paths: node j is bit j % 32 of word j // 32 (little-endian bytes)
+        bits = np.zeros((T, MAX_NODES), bool)
+        rows, cols = np.nonzero(path >= 0)
+        bits[rows, path[rows, cols]] = True
+        anc = np.packbits(bits, axis=1, bitorder="little").view("<u4").view(np.int32)
         t = torch.from_numpy
-        return TreeBatch(token_ids=t(field("token")), parent=t(parent.astype(np.int32)), depth=t(depth.astype(np.int32)),
-                         cu_nodes=t(cu.astype(np.int32)), path=t(path.astype(np.int32)), anc_mask=int32_words(t(packed)),
-                         max_nodes=int(counts.max()), draft_prob=t(field("qprob")),
-                         node_kind=t(field("kind"))).to(self.valid.device)
+        tree = TreeBatch(token_ids=t(field("token")), parent=t(parent.astype(np.int32)), depth=t(depth.astype(np.int32)),
+                         cu_nodes=t(cu.astype(np.int32)), path=t(path), anc_mask=t(anc), max_nodes=int(counts.max()),
+                         draft_prob=t(field("qprob")), node_kind=t(field("kind")))
+        return tree if self.valid.device.type == "cpu" else tree.to(self.valid.device)
 
     def flat(self, name: str) -> torch.Tensor:
         """A per-slot field of the kept nodes, flat in the tree's node order."""
