@@ -258,22 +258,33 @@ def check_baselines(cfg, dtype, dev, B=3, N=16, seed=5):
 
 def probe_configs(cfg, B, N, dev):
     """ours (stash + fused step) over kernel launch configs (P tile, node rows per block, warps; the
-    defaults at N = 64, d_state 128: BP 64, one block of 64 rows, 4 warps), for choosing defaults."""
+    defaults at N = 64, d_state 128: BP 64, one block of 64 rows, 4 warps), for choosing defaults:
+    per config [ms, relative error of y and of the state against the defaults' step from the same state]."""
     from csrc_triton.ssd_tree import ssd_tree_step as launch
 
     H, G, P, Nst = cfg
-    c = to_device(make_case(B, N, cfg, seed=77), dev)
-    state = torch.randn(B, H, P, Nst, device=dev) * 0.1
+    c = to_device(make_case(B, N, cfg, seed=77, dev=dev), dev)
+    state0 = torch.randn(B, H, P, Nst, device=dev) * 0.1
+    state = state0.clone()
     pending = PendingPath.empty(B, c["P"], H, G, P, Nst, device=dev)
     kw = layer_kw(c)
+
+    def step(**config):
+        stash_accepted_path(pending, c["slots_dev"], c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"])
+        return launch(c["x"], c["dt"], c["A"], c["Bm"], c["Cm"], c["tree_dev"], state, c["slots_dev"], pending,
+                      kw["D"], kw["dt_bias"], True, kw["dt_limit"], **config)
+
+    def once(**config):  # one step from state0: (y, state)
+        state.copy_(state0)
+        return step(**config), state.clone()
+
+    y_ref, s_ref = once()
     res = {}
     for bp, br, nw in itertools.product((32, 64), (64, 32, 16), (4, 8)):  # P tile, node rows per block, warps
-        def step(bp=bp, br=br, nw=nw):
-            stash_accepted_path(pending, c["slots_dev"], c["tree_dev"], c["acc_dev"], c["x"], c["dt"], c["Bm"])
-            return launch(c["x"], c["dt"], c["A"], c["Bm"], c["Cm"], c["tree_dev"], state, c["slots_dev"], pending,
-                          kw["D"], kw["dt_bias"], True, kw["dt_limit"], block_p=bp, block_r=br, num_warps=nw)
+        config = dict(block_p=bp, block_r=br, num_warps=nw)
         try:
-            res[f"BP{bp}_BR{br}_w{nw}"] = bench_ms(step, rep=30)
+            y, s = once(**config)
+            res[f"BP{bp}_BR{br}_w{nw}"] = [bench_ms(lambda: step(**config), rep=30), rel_err(y, y_ref), rel_err(s, s_ref)]
         except Exception as e:  # a config that does not compile or run is reported, not fatal
             res[f"BP{bp}_BR{br}_w{nw}"] = f"error: {type(e).__name__}: {str(e)[:120]}"
     return res
