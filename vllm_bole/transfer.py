@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-__all__ = ["download_async", "upload", "upload_many"]
+__all__ = ["download_async", "host_array", "upload", "upload_many"]
 
 
 def upload(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -27,6 +27,12 @@ def upload(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.T
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device) if dtype is None else t.to(device, dtype)
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """``t`` as numpy: a host tensor's view (no dispatched torch operation: a step's host work reads its host
+    trees this way), a device tensor's copy."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
 def download_async(t: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -77,5 +83,17 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def unpack(buf: torch.Tensor, like, spans) -> list:
-    """Views of ``buf`` with the dtypes and shapes of ``like`` (:func:`pack`'s inverse)."""
-    return [buf[o: o + n].view(t.dtype).view(t.shape) for t, (o, n) in zip(like, spans)]
+    """Views of ``buf`` with the dtypes and shapes of ``like`` (:func:`pack`'s inverse): the buffer viewed
+    once per dtype, then one strided view per tensor (a third of the host time of slicing and two views
+    each, every step's upload)."""
+    typed, out = {}, []
+    for t, (o, _) in zip(like, spans):
+        whole = typed.get(t.dtype)
+        if whole is None:
+            whole = typed[t.dtype] = buf.view(t.dtype)
+        stride, step = [], 1
+        for d in reversed(t.shape):
+            stride.append(step)
+            step *= d
+        out.append(whole.as_strided(t.shape, stride[::-1], o // t.element_size()))
+    return out

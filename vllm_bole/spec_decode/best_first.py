@@ -50,6 +50,7 @@ import torch
 from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
+from vllm_bole.transfer import host_array
 
 __all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search", "level_search_packed",
            "free_slots", "packed_children", "packed_level", "packed_trees", "root_only_packed", "search_state", "unpack_slots"]
@@ -187,9 +188,7 @@ def _np(x) -> np.ndarray:
     """numpy view (host tensors: no torch operation dispatched; the search is host work per step)."""
     if not isinstance(x, torch.Tensor):
         return np.asarray(x)
-    if x.requires_grad:
-        x = x.detach()
-    return (x if x.device.type == "cpu" else x.cpu()).numpy()
+    return host_array(x.detach() if x.requires_grad else x)
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:

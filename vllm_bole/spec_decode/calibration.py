@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from vllm_bole.spec_decode.tree import MAX_DEPTH, TreeBatch
+from vllm_bole.transfer import host_array
 
 __all__ = ["KINDS", "BRANCH_COLUMNS", "Calibration", "branch_columns", "kind_counts", "node_kinds"]
 
@@ -65,19 +66,23 @@ def kind_counts(tree: TreeBatch, accepted_nodes: torch.Tensor) -> torch.Tensor:
     draft nodes of ``tree`` (placeholders, token -1, are none; row 0, the roots, stays zero) under
     ``accepted_nodes`` ``[B, L + 1]`` (local indices, root first, -1 padded). ``expected`` needs ``tree.draft_prob`` (else zero). On the
     host in numpy (the runner counts every tree step's host tree: ~15 torch operations were 60 us)."""
+    host = host_array  # a host tree: views, no copy
     T = tree.num_nodes
-    parent = tree.parent_flat.cpu().numpy()
-    loc = accepted_nodes.cpu().numpy().astype(np.int64)
-    flat = loc + tree.starts.cpu().numpy()[:, None]
+    cu = host(tree.cu_nodes).astype(np.int64)
+    local = host(tree.parent).astype(np.int64)
+    parent = np.where(local >= 0, local + np.repeat(cu[:-1], np.diff(cu)), -1)
+    loc = host(accepted_nodes).astype(np.int64)
     accepted = np.zeros(T, dtype=bool)
-    accepted[flat[loc >= 0]] = True
-    draft = (parent >= 0) & (tree.token_ids.cpu().numpy() >= 0)  # placeholder children (token -1) are no drafts
+    accepted[(loc + cu[:-1, None])[loc >= 0]] = True
+    draft = (parent >= 0) & (host(tree.token_ids) >= 0)  # placeholder children (token -1) are no drafts
     reached = draft & accepted[np.maximum(parent, 0)]
-    q = tree.draft_prob.cpu().double().numpy() if tree.draft_prob is not None else np.zeros(T)
-    bucket = tree.depth.cpu().numpy().astype(np.int64) * len(KINDS) + node_kinds(tree).cpu().numpy()
+    bucket = host(tree.depth).astype(np.int64) * len(KINDS) + host(node_kinds(tree))
     size = (MAX_DEPTH + 1) * len(KINDS)
-    weights = (reached.astype(np.float64), (accepted & draft).astype(np.float64), np.where(reached, q, 0.0))
-    out = np.stack([np.bincount(bucket, weights=w, minlength=size) for w in weights], 1)
+    out = np.zeros((size, len(COUNTS)))
+    out[:, 0] = np.bincount(bucket, weights=reached, minlength=size)
+    out[:, 1] = np.bincount(bucket, weights=accepted & draft, minlength=size)
+    if tree.draft_prob is not None:
+        out[:, 2] = np.bincount(bucket, weights=np.where(reached, host(tree.draft_prob), 0.0), minlength=size)
     return torch.from_numpy(out).view(MAX_DEPTH + 1, len(KINDS), len(COUNTS))
 
 
@@ -93,18 +98,22 @@ class Calibration:
 
     def __init__(self):
         self.counts = torch.zeros(MAX_DEPTH + 1, len(KINDS), len(COUNTS), dtype=torch.float64)
+        self._factors: torch.Tensor | None = None
 
     def update(self, counts: torch.Tensor) -> None:
-        """Add one step's :func:`kind_counts`."""
-        self.counts += counts
-        full = self.counts[..., 2] > MEMORY
-        self.counts[full] *= 0.5
+        """Add one step's :func:`kind_counts` (on the host, in numpy: a step's host work)."""
+        c = self.counts.numpy()
+        c += counts.numpy()
+        c[c[..., 2] > MEMORY] *= 0.5
+        self._factors = None
 
     def factors(self) -> torch.Tensor:
         """``[MAX_DEPTH + 1, 3]`` float32 factors ``(accepted + PRIOR) / (expected + PRIOR)`` (row d:
-        nodes at depth d)."""
-        c = self.counts
-        return ((c[..., 1] + PRIOR) / (c[..., 2] + PRIOR)).float()
+        nodes at depth d); computed once per update (read-only)."""
+        if self._factors is None:
+            c = self.counts.numpy()
+            self._factors = torch.from_numpy(((c[..., 1] + PRIOR) / (c[..., 2] + PRIOR)).astype(np.float32))
+        return self._factors
 
     def rates(self, max_depth: int) -> dict:
         """Per kind, depths 1..``max_depth``: measured acceptance rate (accepted / reached, None
