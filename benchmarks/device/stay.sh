@@ -391,10 +391,12 @@ build_draft(o, Path('/tmp/pd/tokenizer'), 'bfloat16')" > "$OUT/costprof_build.lo
 
 stage_kernelspeed() {  # issue 14: the SSD and tree-attention kernels against their floors, quick shapes (B = 32, N = 64
     # among them; no vLLM needed), then SSD's launch-config probe at B = 32, N = 64 (P tile x rows per block x warps,
-    # 12 configs a shape, `probe` in the JSON). GDN needs FLA (not in the bundle).
+    # 12 configs a shape, `probe` in the JSON) and GDN's (rows per block x value tile x warps, 9 configs; GDN's own
+    # benchmark needs FLA for its serial baseline, not in the bundle).
     timeout 280 python3 benchmarks/bench_mamba2_tree.py --quick > "$OUT/mamba2_tree.log" 2>&1
     timeout 280 python3 benchmarks/bench_tree_attention.py --quick > "$OUT/tree_attention.log" 2>&1
-    for f in mamba2_tree tree_attention; do tail -n 8 "$OUT/$f.log" | cut -c1-200; done
+    timeout 200 python3 benchmarks/device/probe_gdn_configs.py 64 > "$OUT/gdn_probe_configs_n64.log" 2>&1
+    for f in mamba2_tree tree_attention gdn_probe_configs_n64; do tail -n 9 "$OUT/$f.log" | cut -c1-200; done
 }
 
 stage_kernels() {  # the Mamba1 tree kernel (issue 19): bench_mamba1_tree.py, ~100 s, no vLLM needed
