@@ -68,6 +68,7 @@ logger = logging.getLogger("vllm_bole")
 PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the step
+NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32}  # the step inputs' dtypes
 WORDS = (MAX_NODES + 31) // 32
 TOKEN = PACKED_FIELDS.index("token")  # the packed trees' token field
 # the device search's candidates per request and level at most, slots x (1 + top_k): its [B, width, 6]
@@ -608,7 +609,7 @@ class PagedDraftModel:
         device tokens [n, W] and counts [n], their histories all cached) the tokens, counts and roots then
         from those, on the device."""
         n, S, B = len(live), self.depth + 1, bufs["tok"].shape[0]
-        arrays = {name: np.zeros(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+        arrays = {name: np.zeros(shape, dtype=NUMPY_DTYPES[dtype])
                   for name, shape, dtype in self._inputs(B, "root" in bufs)}  # the buffers' layout
         for r, i in enumerate(live):
             arrays["tok"][r, : L[r] - start[r]] = hists[i][start[r] :]
