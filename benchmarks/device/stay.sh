@@ -195,7 +195,9 @@
 # 2.6 / 3.2 / 5.1 ms a step at B = 1 / 8 / 32 / 128 (the 86 ms at B = 128 before were bench_draft's own B^2 loop);
 # SSD 4.3-4.5x and tree attention 2.1x their floors at B = 32, N = 64, as before. `kernelspeed` now ends with SSD's
 # launch-config probe (never run on the H200: the defaults at N = 64 are guesses): set ssd_tree_step's defaults
-# from its `probe` rows. Next stay as planned above (parts, install, mixed, train, matrix with async).
+# from its `probe` rows (and GDN's from gdn_probe_configs_n64.log). Next stay as planned above (parts, install,
+# mixed, train, matrix with async); with less than ~900 s of device time, `kernelspeed` alone (no vLLM, ~4 min
+# with the machine start: the kernels' defaults at N = 64 come from it) rather than a vLLM stay it cannot finish.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
