@@ -541,12 +541,14 @@ def test_runtime_best_first_optimal_ordered_and_batch_wide():
 
 def test_slots_tree_equals_the_validated_build():
     """``Slots.tree()`` builds the TreeBatch directly from the search state: equal, field by field,
-    to building it from the kept parents and tokens with every check (ragged budgets, empty trees)."""
+    to building it from the kept parents and tokens with every check (ragged budgets, empty trees, a tree of 251
+    nodes: eight ancestor words)."""
     g = torch.Generator().manual_seed(21)
-    B, D, K = 5, 9, 4
+    B, D, K = 6, 9, 4
     probs = (torch.randn(B, D, K, generator=g) * 1.5).softmax(-1).sort(-1, descending=True).values
     tokens = torch.stack([torch.randperm(50, generator=g)[:K] for _ in range(B * D)]).view(B, D, K)
-    s = best_first_slots(torch.arange(B), Candidates(tokens, probs), torch.tensor([0, 3, 40, 7, 12]))
+    s = best_first_slots(torch.arange(B), Candidates(tokens, probs), torch.tensor([0, 3, 40, 7, 12, 250]))
+    assert int(s.valid.sum(1).max()) == 251
     got = s.tree()
     counts = s.valid.sum(1)
     cu = torch.zeros(B + 1, dtype=torch.long)
