@@ -191,7 +191,7 @@ def test_draft_token_ids_and_first_child_depth(seed):
 
 def test_pack_unpack_round_trip():
     """``transfer.upload_many``'s packing (its CUDA path: one staging buffer, 8-byte aligned views):
-    every dtype, shape and empty tensor comes back equal."""
+    every dtype, shape and empty tensor comes back equal, from a buffer or from a view into one."""
     from vllm_bole.transfer import pack, unpack
 
     g = torch.Generator().manual_seed(0)
@@ -200,5 +200,8 @@ def test_pack_unpack_round_trip():
           torch.rand(3, 3).bfloat16()[:, 1], torch.rand(5).half()]
     buf, spans = pack(ts)
     assert buf.dtype == torch.uint8 and all(o % 8 == 0 for o, _ in spans)
-    for a, b in zip(ts, unpack(buf, ts, spans)):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    inner = torch.zeros(buf.numel() + 16, dtype=torch.uint8)[16:]  # a buffer that is itself a view (offset 16)
+    inner.copy_(buf)
+    for staged in (buf, inner):
+        for a, b in zip(ts, unpack(staged, ts, spans)):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and b.is_contiguous()
