@@ -162,7 +162,12 @@ class StepBudget:
         the controller predicted this step. ``mixed``: prompt rows beside the trees, whose forward (a second
         one with tree graphs) is not the tree forward the cost model predicts: not learnt from (H200,
         af4cf8f: 13-63% of the tree steps at c = 8-128 had prompt rows, and the measured steps averaged
-        1.3-2.5x the predicted ones there; their buckets' ratios had learnt both kinds)."""
+        1.3-2.5x the predicted ones there; their buckets' ratios had learnt both kinds). Under async scheduling
+        a tree step's results are read at the next step's settle, so the measured time runs from this step's
+        input preparation to that settle: the step's period as the engine runs it (the engine's work between
+        steps overlapped with the device's), which the throughput rule is about; the ``rest`` line then learns
+        what is left of the interval, about nothing. Decided so (not the device time alone): under async the
+        period, not the forward, is what a larger tree lengthens; not yet checked against the H200."""
         if self.ctl is None or self.t0 is None or mixed:
             self.t0 = self.predicted_s = None
             return None
