@@ -398,7 +398,8 @@ stage_kernelspeed() {  # issue 14: the SSD and tree-attention kernels against th
     timeout 280 python3 benchmarks/bench_mamba2_tree.py --quick > "$OUT/mamba2_tree.log" 2>&1
     timeout 280 python3 benchmarks/bench_tree_attention.py --quick > "$OUT/tree_attention.log" 2>&1
     timeout 200 python3 benchmarks/device/probe_gdn_configs.py 64 > "$OUT/gdn_probe_configs_n64.log" 2>&1
-    for f in mamba2_tree tree_attention gdn_probe_configs_n64; do tail -n 9 "$OUT/$f.log" | cut -c1-200; done
+    timeout 60 python3 benchmarks/host_micro.py --reps 1000 > "$OUT/host_micro.log" 2>&1  # the H200 host's CPU
+    for f in mamba2_tree tree_attention gdn_probe_configs_n64 host_micro; do tail -n 9 "$OUT/$f.log" | cut -c1-200; done
 }
 
 stage_kernels() {  # the Mamba1 tree kernel (issue 19): bench_mamba1_tree.py, ~100 s, no vLLM needed
