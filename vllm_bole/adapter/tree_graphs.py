@@ -41,7 +41,7 @@ import torch
 
 from vllm_bole.adapter.tree_step import TreeStep
 from vllm_bole.spec_decode.step import commit
-from vllm_bole.spec_decode.tree import MAX_NODES, TreeBatch
+from vllm_bole.spec_decode.tree import MAX_NODES, TreeBatch, path_words
 from vllm_bole.spec_decode.verification import VerificationResult
 from vllm_bole.transfer import pack, unpack
 
@@ -91,13 +91,9 @@ def padding_trees(requests: int, tokens: int, nodes: int) -> dict[str, np.ndarra
     # the first ones filled up to ``nodes``
     sizes = 1 + np.clip(tokens - requests - np.arange(requests) * (nodes - 1), 0, nodes - 1)
     local = np.arange(tokens) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    anc = np.zeros((tokens, WORDS), np.int64)
-    anc[:, 0] = 1
-    anc[np.arange(tokens), local // 32] |= np.left_shift(1, local % 32)
+    path = np.stack([np.zeros(tokens, np.int32), np.where(local > 0, local, -1).astype(np.int32)], 1)
     pad = dict(parent=np.where(local == 0, -1, 0).astype(np.int32), depth=(local > 0).astype(np.int32),
-               sizes=sizes, path=np.stack([np.zeros(tokens, np.int32), np.where(local > 0, local, -1)], 1),
-               anc_mask=anc.astype(np.uint32).view(np.int32),  # the same 32 bits, two's complement
-               cu=np.cumsum(sizes).astype(np.int32))
+               sizes=sizes, path=path, anc_mask=path_words(path), cu=np.cumsum(sizes).astype(np.int32))
     for a in pad.values():
         a.flags.writeable = False
     return pad

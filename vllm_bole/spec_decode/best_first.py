@@ -49,7 +49,7 @@ import torch
 
 from vllm_bole.dispatch import use_triton
 from vllm_bole.spec_decode.candidates import Candidates
-from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch
+from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES, TreeBatch, path_words
 from vllm_bole.transfer import host_array
 
 __all__ = ["Slots", "best_first_slots", "best_first_tree", "budgets", "grow", "level_search", "level_search_packed",
@@ -107,14 +107,10 @@ class Slots:
         for d in range(1, width):  # breadth-first: a parent's rows are complete before its children's
             at = order[ends[d - 1]: ends[d]]
             path[at, :d] = path[pflat[at], :d]
-        # ancestor bits (self included) from the paths: node j is bit j % 32 of word j // 32 (little-endian bytes)
-        bits = np.zeros((T, MAX_NODES), bool)
-        rows, cols = np.nonzero(path >= 0)
-        bits[rows, path[rows, cols]] = True
-        anc = np.packbits(bits, axis=1, bitorder="little").view("<u4").view(np.int32)
         t = torch.from_numpy
         tree = TreeBatch(token_ids=t(field("token")), parent=t(parent.astype(np.int32)), depth=t(depth.astype(np.int32)),
-                         cu_nodes=t(cu.astype(np.int32)), path=t(path), anc_mask=t(anc), max_nodes=int(counts.max()),
+                         cu_nodes=t(cu.astype(np.int32)), path=t(path), anc_mask=t(path_words(path)),
+                         max_nodes=int(counts.max()),
                          draft_prob=t(field("qprob")), node_kind=t(field("kind")))
         return tree if self.valid.device.type == "cpu" else tree.to(self.valid.device)
 

@@ -31,6 +31,7 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from vllm_bole.transfer import upload_many
@@ -43,6 +44,15 @@ def int32_words(bits: torch.Tensor) -> torch.Tensor:
     """Ancestor bits held as int64 words (values ``0 .. 2**32 - 1``, 32 nodes a word) -> the int32 words
     ``anc_mask`` holds (the same 32 bits, two's complement)."""
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+
+
+def path_words(path: np.ndarray) -> np.ndarray:
+    """``anc_mask`` of host trees from their ``path`` ``[T, W]`` (local node indices root first, -1 padded;
+    numpy): ``[T, ceil(MAX_NODES / 32)]`` int32, node j as bit j % 32 of word j // 32 (one packbits)."""
+    bits = np.zeros((path.shape[0], MAX_NODES), bool)
+    rows, cols = np.nonzero(path >= 0)
+    bits[rows, path[rows, cols]] = True
+    return np.packbits(bits, axis=1, bitorder="little").view("<u4").view(np.int32)
 
 
 class TreeError(ValueError):
