@@ -258,7 +258,7 @@ def check_baselines(cfg, dtype, dev, B=3, N=16, seed=5):
 
 def probe_configs(cfg, B, N, dev):
     """ours (stash + fused step) over kernel launch configs (P tile, node rows per block, warps; the
-    defaults at N = 64, d_state 128: BP 64, one block of 64 rows, 4 warps), for choosing defaults:
+    defaults at N = 64, d_state 128: BP 64, two blocks of 32 rows, 4 warps), for choosing defaults:
     per config [ms, relative error of y and of the state against the defaults' step from the same state]."""
     from csrc_triton.ssd_tree import ssd_tree_step as launch
 

@@ -19,9 +19,9 @@ strides, any float dtype, computed in fp32) and:
    i.e. Y = diag(e^G) C h^T + (L o C B^T o dt^T) X + D X with L the ancestor-masked decay. No
    per-node state is formed and nothing needs inverting (the SSD recurrence has no delta rule).
    Nodes go in row blocks of BR (topological order: block i only reads blocks j <= i). A tree
-   of at most BR nodes (64; 32 when d_state > 128) is one block; larger trees (up to 256 nodes)
-   loop over blocks, each block's G kept in a small fp32 scratch for the later blocks (written
-   and read back by the same program after a barrier).
+   of at most BR = 32 nodes is one block; larger trees (up to 256 nodes) loop over blocks, each
+   block's G kept in a small fp32 scratch for the later blocks (written and read back by the same
+   program after a barrier).
 
 dt_eff = clamp(softplus(dt + dt_bias) if DT_SOFTPLUS else dt + dt_bias, lo, hi) (the oracle's
 convention; softplus threshold 20). Head h uses group h // (H // G). The group's C B^T is
@@ -186,10 +186,13 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
     Returns y [T, H, P] in x's dtype (``out`` if given; None without a tree).
-    Defaults: BP = 64 (32 when d_state > 128); trees of up to 64 nodes (32 when d_state > 128)
-    are one block of that size rounded up to a power of two (>= 16), larger trees run blocks of
-    BR = 32 with 8 warps (4 for one block); pending paths in chunks of 32 tokens (16 for paths of
-    <= 16). ``lowp`` (bf16 operands) defaults to 16-bit inputs.
+    Defaults: BP = 64 (32 when d_state > 128); trees of up to 32 nodes are one block of that size
+    rounded up to a power of two (>= 16), larger trees run blocks of BR = 32; 4 warps (8 for blocks
+    of a d_state > 128); pending paths in chunks of 32 tokens (16 for paths of <= 16). ``lowp`` (bf16
+    operands) defaults to 16-bit inputs. Chosen by the launch probe of ``benchmarks/bench_mamba2_tree.py``
+    (H100, ff6ad01, ``mamba2_tree_quick.json``: B = 32, 64-node trees, Nemotron-H-8B and its TP-2
+    shard): two blocks of 32 rows with 4 warps took 0.32 / 0.17 ms, one block of 64 with 4 warps 0.36 /
+    0.19, two of 32 with 8 warps 0.43 / 0.22; BP = 32 slower in every case. Larger trees were not probed.
     """
     import torch
 
@@ -206,8 +209,7 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
         G = B.shape[1]
         T = x.shape[0]
         BT = max(16, triton.next_power_of_2(tree.max_nodes))
-        one_block = 64 if BN <= 128 else 32
-        BR = min(BT, block_r) if block_r else (BT if BT <= one_block else 32)
+        BR = min(BT, block_r or 32)
         multi = BT > BR
         if multi:
             gscr = torch.empty(n_pt, T, H, dtype=torch.float32, device=x.device)
@@ -239,6 +241,6 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
         H=H, G=G, P=P, N=N, BR=BR, BP=BP, BN=BN, CP=CP, MW=MW, MULTI=multi, EVEN=P % BP == 0 and BN == N,
         HAS_TREE=tree is not None, HAS_PENDING=pending is not None, HAS_D=D is not None,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), LOWP=bool(lowp), BF16_EMUL=INTERPRET,
-        num_warps=num_warps or (8 if multi else 4), num_stages=num_stages,
+        num_warps=num_warps or (8 if multi and BN > 128 else 4), num_stages=num_stages,
     )
     return out

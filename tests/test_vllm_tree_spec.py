@@ -289,7 +289,7 @@ def test_mixed_batch_with_abort(engines, models, asynchronous):
     """Prompts arriving while others decode (chunked prefill), an abort, sampling and penalties, with
     ``budget: "auto"`` (the controller and the speculation switch between tree steps and plain
     decoding; ``min_budget`` 1, so that tree steps draft whatever the machine's timings): every other stream equals non-speculative vLLM. ``asynchronous``: under async scheduling (the
-    switch's plain steps: every booked draft cut, root-only trees)."""
+    switch's plain steps: every booked draft cut, vLLM's own decode step)."""
     arch = "nemotron_h"  # attention + Mamba2 layers
     m = models[arch]
     prompts = engines.prompts(arch)
@@ -310,7 +310,9 @@ def test_mixed_batch_with_abort(engines, models, asynchronous):
     print({k: v for k, v in st.items() if k != "accept_log"})
     assert st["prefill_mixed_tree_steps"] >= 1  # a prefill chunk shared a forward with tree decodes
     assert (st["settled_steps"] > 0) == asynchronous
-    assert st["placeholder_trees"] >= 1  # the one-token prompt's padded first step went through the tree path
+    # synchronous: the one-token prompt's first step (vLLM's padded drafts) went through the tree path; async:
+    # booked drafts without a tree are cut to none and the row decodes as a plain row
+    assert (st["placeholder_trees"] >= 1) == (not asynchronous), st["placeholder_trees"]
     assert st["accepted"] > 0
     # budget "auto": the speculation switch probed plain decoding (a bucket's probes come in a fixed order,
     # trees first, whatever the timings), and tree steps came back after it; outputs unchanged above
@@ -457,6 +459,30 @@ def test_async_scheduling_leaves_outputs_unchanged(engines, models, arch, drafte
     if arch == "llama":
         assert st["chained_drafts"] == st["tree_steps"] and st["split_tree_steps"] >= 2
         assert st["graph_tree_steps"] >= st["tree_steps"] // 2
+
+
+def test_async_switch_decodes_plainly(engines, models):
+    """Async scheduling with the controller and its speculation switch on (``budget: "auto"``, defaults): the
+    scheduler books drafts for every request, so a step the switch gives to plain decoding has its booked
+    drafts cut to none and runs as vLLM's own decode step, not as trees of roots alone (H100, ff6ad01: every
+    such step verified root-only trees, the switch never saw a plain step, kept probing plain decoding and
+    accepted nothing: 0.5x AR). The switch's first probes (trees, then plain decoding) come whatever the
+    timings; streams identical."""
+    arch = "llama"
+    base = engines.run(arch, "base")["greedy"]
+    job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS)
+    r = engine_run.run_engine(models[arch], [job], spec=spec_config("draft_model", models[arch], budget="auto",
+                                                                    async_scheduling=True))
+    ours = r["jobs"][0]
+    _check_equal(arch, dict(tokens=base["tokens"]), ours)
+    st = ours["stats"]
+    print(f"{arch} async switch: {st['tree_steps']} tree steps, {st['plain_decode_steps']} plain of {st['steps']} "
+          f"steps, {st['drafted_nodes']} drafted, {st['accepted']} accepted, rates {st['switch_rates']}")
+    assert st["settled_steps"] >= st["steps"] - 1
+    assert st["tree_steps"] >= 2 and st["plain_decode_steps"] >= 2, (st["tree_steps"], st["plain_decode_steps"])
+    assert st["drafted_nodes"] >= st["tree_steps"] and st["placeholder_trees"] == 0  # every tree step drafted
+    full = st["switch_rates"][max(st["switch_rates"], key=int)]  # the whole batch's bucket: both modes measured
+    assert set(full) == {"trees", "plain"}, st["switch_rates"]
 
 
 @pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])

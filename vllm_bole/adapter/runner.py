@@ -361,6 +361,9 @@ class TreeRunnerMixin:
             self._bole_auto.switch.forget(scheduler_output.finished_req_ids)
         if self._bole_async:
             self._bole_settle(scheduler_output)
+            # vLLM ordered the batch (``_may_reorder_batch``, inside its ``_update_states``) by the booked drafts;
+            # the settle cut them to the trees (none where the switch chose plain decoding): the order again
+            self._may_reorder_batch(scheduler_output)
         return out
 
     def _bole_trim_drafts(self, so) -> None:
@@ -964,7 +967,8 @@ class TreeRunnerMixin:
             from vllm.v1.outputs import DraftTokenIds
 
             self._bole_drafts, self._bole_drafted = DraftTokenIds(req_ids, [[] for _ in req_ids]), None
-            self._bole_pending_draft = None
+            # async: decided for the next step (the settle drafts only where nothing was decided)
+            self._bole_pending_draft = (lambda: (None, None), req_ids, 0.0) if self._bole_async else None
             return
         W = 0 if pending is None else int(pending[0].shape[1])
         if self._bole_async and pending is None:  # at the settle, before this step's inputs: its decoding rows
@@ -1009,7 +1013,7 @@ class TreeRunnerMixin:
             self._bole_budget.chosen(choice)
             self._bole_metrics.observe("vllm:bole_budget_nodes", choice.total)
         if self._bole_async:  # the scheduler takes no drafts (it booked placeholders): the trees alone
-            self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, None)
+            self._bole_drafted = None if tree is None else (tree, {rid: r for r, rid in enumerate(req_ids)}, None)
         else:
             from vllm.v1.outputs import DraftTokenIds
 
