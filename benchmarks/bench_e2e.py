@@ -44,8 +44,9 @@ step's results to the host, which waits for its forward, and the counters), ``fo
 target forward of a tree step, GPU time), ``prepare_ms`` (input preparation per step, host;
 ``prepare_vllm_ms`` of it vLLM's own), ``step_ms`` (whole engine step; the rest is vLLM's
 scheduler, sampler and output processing), ``step_ms_by_kind`` / ``steps_by_kind`` (engine steps of trees
-alone, of trees beside prompt rows (``mixed``) and without trees (``plain``): their mean wall time and count;
-where a cell's steps differ from its steady state), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
+alone, of trees beside prompt rows (``mixed``), without trees (``plain``) and of trees right after a step
+without trees (``catchup``: the draft catching up on a prompt or on plain decoding): their mean wall time and
+count; where a cell's steps differ from its steady state), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
 cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
 ``mode, drafter, budget, batch, dataset, temperature, tokens_per_s, accept_len, tpot_ms``, ...) and

@@ -37,6 +37,7 @@ import pytest
 
 from engines import (BUDGET, CONSTRAINED, DEPTH, MAX_TOKENS, NGRAM_ARCHS, NUM_SAMPLES, PROMPTS, SAMPLE_TOKENS, SAMPLED,
                      logprobs_k, spec_config)
+from vllm_bole.adapter.tree_step import STEP_KINDS
 from vllm_bole.testing import adapter_checks, engine_run, serve_run
 from vllm_bole.testing.lossless import compare_greedy
 from vllm_bole.testing.stats import sample_homogeneity
@@ -417,7 +418,7 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     assert st["tree_steps"] >= st["steps"] // 2 or budget == "auto", (st["tree_steps"], st["steps"])
     assert (st["split_tree_steps"] >= 2) == (concurrency is not None), st["split_tree_steps"]
     assert (st["split_padding_rows"] > 0) == (fault is not None), st["split_padding_rows"]
-    timed = {k: st[f"timed_{k}_steps"] for k in ("trees", "mixed", "plain")}  # engine steps timed by kind
+    timed = {k: st[f"timed_{k}_steps"] for k in STEP_KINDS}  # engine steps timed by kind
     assert st["steps"] // 2 <= sum(timed.values()) <= st["steps"] and timed["trees"] > 0, timed
     assert (timed["mixed"] > 0) == (concurrency is not None) and st["timed_trees_steps_s"] > 0, timed
     if arch == "llama":

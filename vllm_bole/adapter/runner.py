@@ -182,6 +182,7 @@ class TreeRunnerMixin:
         # the engine step under way: its kind (STEP_KINDS), when its input preparation began; when the last one's
         # sampling ended
         self._bole_step_kind: str | None = None
+        self._bole_last_kind: str | None = None  # the kind of the step before it
         self._bole_step_t = self._bole_step_end = 0.0
         self._bole_forward_timer: _ForwardTimer | None = None
         # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
@@ -489,9 +490,11 @@ class TreeRunnerMixin:
     def _bole_time_step(self, now: float) -> None:
         """The previous engine step's wall time, from its input preparation to this one's (the engine's
         scheduling and output processing between them included), into its kind's counters (``trees``:
-        trees alone; ``mixed``: trees beside prompt or plain rows; ``plain``: no trees), unless the engine
-        idled after it (over IDLE_GAP_S from its sampled tokens to this step)."""
+        trees alone; ``mixed``: trees beside prompt or plain rows; ``plain``: no trees; ``catchup``: trees alone
+        right after a plain step), unless the engine idled after it (over IDLE_GAP_S from its sampled tokens to
+        this step)."""
         kind, t, self._bole_step_kind, self._bole_step_t = self._bole_step_kind, self._bole_step_t, None, now
+        self._bole_last_kind = kind
         if kind is not None and now - self._bole_step_end <= IDLE_GAP_S:
             self._bole_stats[f"timed_{kind}_steps"] += 1
             self._bole_stats[f"timed_{kind}_steps_s"] += now - t
@@ -508,7 +511,8 @@ class TreeRunnerMixin:
         ib = self.input_batch  # _may_reorder_batch put the step's tree requests last
         self._bole_flush_pending(exclude=set(ib.req_ids[ib.num_reqs - self._bole_num_trees: ib.num_reqs]))
         step, pos, tree_logits = self._bole_build_step(scheduler_output, num_scheduled_tokens)
-        self._bole_step_kind = "plain" if step is None else "trees" if step.num_plain == 0 else "mixed"
+        kind = "plain" if step is None else "trees" if step.num_plain == 0 else "mixed"
+        self._bole_step_kind = "catchup" if kind == "trees" and self._bole_last_kind == "plain" else kind
         self._bole_step = step
         plain = step.num_plain if step is not None else self.input_batch.num_reqs
         qsl = self.query_start_loc.np[: plain + 1]

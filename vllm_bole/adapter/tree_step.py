@@ -17,8 +17,9 @@ import torch
 
 from vllm_bole.spec_decode.tree import TreeBatch
 
-# engine steps the runner times apart: trees alone, trees beside prompt or plain rows, no trees
-STEP_KINDS = ("trees", "mixed", "plain")
+# engine steps the runner times apart: trees alone, trees beside prompt or plain rows, no trees, and trees alone
+# right after a step without trees (the draft catching up on the tokens it has not seen: a prompt, plain decoding)
+STEP_KINDS = ("trees", "mixed", "plain", "catchup")
 
 
 @dataclass
