@@ -198,6 +198,19 @@
 # from its `probe` rows (and GDN's from gdn_probe_configs_n64.log). Next stay as planned above (parts, install,
 # mixed, train, matrix with async); with less than ~900 s of device time, `kernelspeed` alone (no vLLM, ~4 min
 # with the machine start: the kernels' defaults at N = 64 come from it) rather than a vLLM stay it cannot finish.
+# 2026-12-05 (twentieth session, ff6ad01; an H100 lent, 1800 s): `parts kernelspeed` with p00 (227 s, machine start
+# included), `parts` with p01 and p02 (~3 s each), `install` with p03 + install.sh (76 s), `parts train keep` with
+# .pair/data + .pair/tiny, TRAIN_MODELS="nemotron_h draft" KEEP="00 01 02" (290 s), `matrix keep` with PARALLEL=1
+# E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model/async
+# bole_tree/draft_model bole_tree/draft_model/beam4" KEEP="03 04 05" (516 s: MT-Bench for all four, HumanEval cut
+# after AR and one async cell), then `keep mixed` (KEEP="06 07", MIXED="granitemoehybrid falcon_h1 qwen3_next"): the
+# machine was taken back 30 s in, pieces 06-07 with it, so the kept pair is incomplete: the next stay trains again.
+# LESSON: run `keep` with every piece right after `train` when pieces must survive (they are 8 of 16 MB: two runs,
+# 00-03 and 04-07, beside small stages). Next stay, in order (cut from the end): parts p00..p02, `install`,
+# MIXED="granitemoehybrid falcon_h1 qwen3_next" `mixed` (issue 13's last item), `parts train keep` (KEEP="00 01 02 03"),
+# `matrix keep` (KEEP="04 05 06 07") with E2E_ONLY="ar/none bole_tree/draft_model/async bole_tree/draft_model
+# vllm_chain/draft_model" (async `"auto"` fixed at d937f94: does it reach the fixed budgets? the rows' `catchup`
+# steps: what the c = 1 controller loses), then `online` with ONLINE_MODES="ar bole_tree bole_async".
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
