@@ -486,6 +486,23 @@ def test_async_switch_decodes_plainly(engines, models):
     assert set(full) == {"trees", "plain"}, st["switch_rates"]
 
 
+def test_async_rows_moved_after_the_settle_keep_their_sampling(engines, models):
+    """Async scheduling, n-gram drafts, the constrained requests (penalties, bias, bad words, allowed tokens,
+    min_tokens) at most 3 in flight: a request without n-gram candidates has its booked drafts cut at the
+    settle and moves in the batch after vLLM refreshed its sampling metadata; the move reaches the metadata
+    and the logits processors (without that, a logits processor indexed a stale row and the engine failed).
+    Streams identical to non-speculative vLLM's."""
+    arch = "llama"
+    prompts = engines.prompts(arch)
+    jobs = [engine_run.generate_job(prompts, MAX_TOKENS),  # the stop tokens' source (CONSTRAINED's from_job 0)
+            engine_run.generate_job(prompts, MAX_TOKENS, sampling=CONSTRAINED, concurrency=3)]
+    r = engine_run.run_engine(models[arch], jobs, spec=spec_config("ngram", async_scheduling=True))
+    base = engines.run(arch, "base")
+    assert r["jobs"][0]["tokens"] == base["greedy"]["tokens"]
+    assert r["jobs"][1]["tokens"] == base["constrained"]["tokens"]
+    assert r["jobs"][1]["stats"]["tree_steps"] > 0
+
+
 @pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])
 def test_hidden_state_drafters_greedy_equal(engines, models, arch, kind, tmp_path):
     """drafter 'block' / 'mtp' (``spec_decode.block_drafter``: heads on the target's last hidden state, the

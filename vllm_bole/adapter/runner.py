@@ -363,8 +363,10 @@ class TreeRunnerMixin:
         if self._bole_async:
             self._bole_settle(scheduler_output)
             # vLLM ordered the batch (``_may_reorder_batch``, inside its ``_update_states``) by the booked drafts;
-            # the settle cut them to the trees (none where the switch chose plain decoding): the order again
+            # the settle cut them to the trees (none where the switch chose plain decoding): the order again, its
+            # moves applied to the sampling metadata and logits processors as vLLM applies its own
             self._may_reorder_batch(scheduler_output)
+            self.input_batch.refresh_metadata()
         return out
 
     def _bole_trim_drafts(self, so) -> None:
