@@ -46,7 +46,8 @@ target forward of a tree step, GPU time), ``prepare_ms`` (input preparation per 
 scheduler, sampler and output processing), ``step_ms_by_kind`` / ``steps_by_kind`` (engine steps of trees
 alone, of trees beside prompt rows (``mixed``), without trees (``plain``) and of trees right after a step
 without trees (``catchup``: the draft catching up on a prompt or on plain decoding): their mean wall time and
-count; where a cell's steps differ from its steady state), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
+count; where a cell's steps differ from its steady state), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
+after a step without trees, the draft catching up: count and mean milliseconds), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
 cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
 ``mode, drafter, budget, batch, dataset, temperature, tokens_per_s, accept_len, tpot_ms``, ...) and
@@ -207,7 +208,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    steps_by_kind={k: st.get(f"timed_{k}_steps", 0) for k in STEP_KINDS},
                    step_ms_by_kind={k: 1000 * st[f"timed_{k}_steps_s"] / st[f"timed_{k}_steps"] for k in STEP_KINDS
                                     if st.get(f"timed_{k}_steps")},
-                   chained_drafts=st.get("chained_drafts", 0),
+                   chained_drafts=st.get("chained_drafts", 0), plain_drafts=st.get("plain_drafts", 0),
+                   plain_draft_ms=1000 * st["plain_draft_s"] / st["plain_drafts"] if st.get("plain_drafts") else None,
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
                    branch_by_depth=st.get("branch_by_depth"), slow_steps=st.get("slow_steps"),
                    accept_len_by_request=request_spread(st, res["tokens"], EOS.get("id")))

@@ -151,9 +151,10 @@ def test_a_tree_row_times_its_steps_by_kind():
     st = dict(accepted=30, verified_requests=10, steps=14, tree_steps=12, draft_s=0.1, verify_commit_s=0.01,
               forward_s=0.02, prepare_s=0.03, drafted_nodes=70, timed_trees_steps=8, timed_trees_steps_s=0.04,
               timed_mixed_steps=4, timed_mixed_steps_s=0.06, timed_plain_steps=0, timed_plain_steps_s=0.0,
-              timed_catchup_steps=2, timed_catchup_steps_s=0.05)
+              timed_catchup_steps=2, timed_catchup_steps_s=0.05, plain_drafts=4, plain_draft_s=0.01)
     res = dict(tokens=[[1] * 20] * 2, generate_s=0.2, times=[[0.0, 0.01, 0.1]] * 2, stats=st, counters={})
     row = bench_e2e.row_of(dict(mode="bole_tree", drafter="ngram"),
                            dict(batch=2, dataset="mt_bench", temperature=0.0, budget=8), res)
     assert row["steps_by_kind"] == {"trees": 8, "mixed": 4, "plain": 0, "catchup": 2}
     assert row["step_ms_by_kind"] == pytest.approx({"trees": 5.0, "mixed": 15.0, "catchup": 25.0})
+    assert row["plain_drafts"] == 4 and row["plain_draft_ms"] == pytest.approx(2.5)

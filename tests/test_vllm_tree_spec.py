@@ -482,6 +482,7 @@ def test_async_switch_decodes_plainly(engines, models):
     assert st["settled_steps"] >= st["steps"] - 1
     assert st["tree_steps"] >= 2 and st["plain_decode_steps"] >= 2, (st["tree_steps"], st["plain_decode_steps"])
     assert st["drafted_nodes"] >= st["tree_steps"] and st["placeholder_trees"] == 0  # every tree step drafted
+    assert st["plain_drafts"] >= 1 and st["plain_draft_s"] > 0  # drafts after the prompt's step, timed apart
     full = st["switch_rates"][max(st["switch_rates"], key=int)]  # the whole batch's bucket: both modes measured
     assert set(full) == {"trees", "plain"}, st["switch_rates"]
 

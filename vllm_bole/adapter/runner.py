@@ -176,6 +176,7 @@ class TreeRunnerMixin:
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
                                 chained_drafts=0, accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0,
+                                plain_drafts=0, plain_draft_s=0.0,
                                 verify_commit_s=0.0, finish_s=0.0, settle_s=0.0, settled_steps=0, prepare_s=0.0,
                                 prepare_vllm_s=0.0, forward_s=0.0,
                                 **{f"timed_{k}_steps{u}": z for k in STEP_KINDS for u, z in (("", 0), ("_s", 0.0))})
@@ -794,7 +795,8 @@ class TreeRunnerMixin:
         from vLLM's piecewise graphs, padded by ``split_padding_rows`` rows in all), ``timed_{kind}_steps`` and
         ``timed_{kind}_steps_s`` (engine steps and their wall time by kind: ``_bole_time_step``), drafted
         nodes, accepted nodes, ``chained_drafts`` (drafts launched behind a tree step's verification, from
-        its tokens on the device); seconds: ``draft_s`` drafting per step (``propose_s`` of it the drafter's
+        its tokens on the device), ``plain_drafts`` / ``plain_draft_s`` (drafts made after a step without trees,
+        the draft catching up on a prompt or on plain decoding: count and seconds); seconds: ``draft_s`` drafting per step (``propose_s`` of it the drafter's
         own, the rest building trees), ``prepare_s`` input preparation per step (host; ``prepare_vllm_s``
         of it vLLM's own), ``forward_s`` the target forward of tree steps (device time on CUDA),
         ``verify_commit_s`` per tree step (host, until the results are queued), ``finish_s`` the tree
@@ -1028,6 +1030,9 @@ class TreeRunnerMixin:
             self._bole_drafts = DraftTokenIds(req_ids, flat)
         dt = launch_s + time.perf_counter() - t0
         self._bole_stats["draft_s"] += dt
+        if self._bole_step_kind == "plain":  # drafted after a step without trees: the draft catching up
+            self._bole_stats["plain_drafts"] += 1
+            self._bole_stats["plain_draft_s"] += dt
         self._bole_metrics.observe("vllm:bole_draft_seconds", dt)
         if self._bole_budget is not None:
             self._bole_budget.drafted(dt)
