@@ -207,7 +207,8 @@
 # machine was taken back 30 s in, pieces 06-07 with it, so the kept pair is incomplete: the next stay trains again.
 # LESSON: run `keep` with every piece right after `train` when pieces must survive (they are 8 of 16 MB: two runs,
 # 00-03 and 04-07, beside small stages). Next stay, in order (cut from the end): parts p00..p02, `install`,
-# MIXED="granitemoehybrid falcon_h1 qwen3_next" `mixed` (issue 13's last item), `parts train keep` (KEEP="00 01 02 03"),
+# MIXED="granitemoehybrid falcon_h1 qwen3_next" `mixed` (issue 13's last item), `parts train keep` with
+# TRAIN_MODELS="nemotron_h draft distill" (KEEP="00 01 02 03"; train_pair.json: draft against draft_ce agreement),
 # `matrix keep` (KEEP="04 05 06 07") with E2E_ONLY="ar/none bole_tree/draft_model/async bole_tree/draft_model
 # vllm_chain/draft_model" (async `"auto"` fixed at d937f94: does it reach the fixed budgets? the rows' `catchup`
 # steps: what the c = 1 controller loses), then `online` with ONLINE_MODES="ar bole_tree bole_async".
@@ -267,7 +268,8 @@ stage_install() {
 
 stage_train() {
     # the block and MTP heads after their target, side by side (~2-3 min more than the target and draft alone)
-    # TRAIN_MODELS="nemotron_h draft": the target and the draft only (~85 s less: the heads train after them)
+    # TRAIN_MODELS="nemotron_h draft": the target and the draft only (~85 s less: the heads train after them);
+    # "nemotron_h draft distill": the draft then distilled from the trained target (~150 s more, the heads' phase)
     local models=()
     for m in ${TRAIN_MODELS:-nemotron_h draft block mtp}; do models+=(--model "$m"); done
     timeout 520 python3 benchmarks/train_pair.py --data /tmp/pd --out /tmp/pair "${models[@]}" > "$OUT/train_pair.log" 2>&1
