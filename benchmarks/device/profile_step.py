@@ -77,6 +77,8 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
 
+    from vllm_bole.adapter.tree_step import STEP_KINDS
+
     gpu = torch.cuda.is_available()
     budget = args.budget if args.budget == "auto" else int(args.budget)
     spec = dict(method="bole_tree", num_speculative_tokens=budget if budget != "auto" else 16, budget=budget,
@@ -122,14 +124,11 @@ def main() -> None:
             prof.enable()
             llm.generate(prompts, sp, use_tqdm=False)
             prof.disable()
-            row["bole_stats"] = {k: (st[k] - stats0[k]) for k in ("steps", "tree_steps", "graph_tree_steps", "draft_s",
-                                                                     "verify_commit_s", "prepare_s", "forward_s",
-                                                                     "accepted", "verified_requests", "drafted_nodes",
-                                                                     "split_tree_steps", "split_piecewise_steps",
-                                                                     "chained_drafts", "timed_trees_steps",
-                                                                     "timed_trees_steps_s", "timed_mixed_steps",
-                                                                     "timed_mixed_steps_s", "settled_steps",
-                                                                     "settle_s")}
+            counted = ("steps", "tree_steps", "graph_tree_steps", "draft_s", "verify_commit_s", "prepare_s", "forward_s",
+                       "accepted", "verified_requests", "drafted_nodes", "split_tree_steps", "split_piecewise_steps",
+                       "chained_drafts", "plain_drafts", "plain_draft_s", "settled_steps", "settle_s",
+                       "plain_decode_steps") + tuple(f"timed_{k}_steps{u}" for k in STEP_KINDS for u in ("", "_s"))
+            row["bole_stats"] = {k: st[k] - stats0[k] for k in counted if k in st}
             row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["verified_requests"], 1), 3)
             ps = pstats.Stats(prof)
             row["top_cumulative"] = _rows(ps, "cum_s", 60)
