@@ -211,8 +211,10 @@
 # TRAIN_MODELS="nemotron_h draft distill" (KEEP="00 01 02 03"; train_pair.json: draft against draft_ce agreement),
 # `matrix keep` (KEEP="04 05 06 07") with E2E_ONLY="ar/none bole_tree/draft_model/async bole_tree/draft_model
 # vllm_chain/draft_model" (async `"auto"` fixed at d937f94: does it reach the fixed budgets? the rows' `catchup`
-# steps: what the c = 1 controller loses), then PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 `profile` (where the
-# controller's tree steps spend the 2 ms they take over the fixed budget's), `online` with ONLINE_MODES="ar bole_tree bole_async".
+# steps: what the c = 1 controller loses), then TREE_GRAPHS=1 PROFILE_BATCHES=32 PROFILE_WAVES=2 `profile` (FIRST among
+# the profiles: at ff6ad01 the steps with prompts beside trees took 20-55 ms against 8-16 for trees alone and 52-75% of
+# the c = 32 / 128 cells' time), then PROFILE_BUDGET=auto TREE_GRAPHS=1
+# PROFILE_BATCHES=1 `profile` (the controller's c = 1 tree steps), `online` with ONLINE_MODES="ar bole_tree bole_async".
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
@@ -363,11 +365,12 @@ stage_tinyprof() {  # host profile of the tree step at batch 1 and 32 (tiny bf16
 
 stage_profile() {  # one engine in-process, cProfile over a tree run against AR: the pair's draft on its target
     # (TREE_GRAPHS=1: tree steps from whole CUDA graphs, as the e2e rows ran at 198194b; PROFILE_BATCHES, default "1 32";
-    # PROFILE_BUDGET=auto: the controller and its switch, whose c = 1 MT-Bench cell lost 30% to budget 16 at ff6ad01)
+    # PROFILE_BUDGET=auto: the controller and its switch, whose c = 1 MT-Bench cell lost 30% to budget 16 at ff6ad01;
+    # PROFILE_WAVES=2: requests refilled, prompts beside trees: the mixed steps, 52-75% of the c >= 32 cells' time there)
     project
     for b in ${PROFILE_BATCHES:-1 32}; do
         VLLM_BOLE_TREE_GRAPHS=${TREE_GRAPHS:-0} timeout 270 python3 benchmarks/device/profile_step.py --model /tmp/pair/nemotron_h --draft /tmp/pair/draft \
-            --batch $b --budget "${PROFILE_BUDGET:-8}" --out "$OUT/profile_b$b" > "$OUT/profile_b$b.log" 2>&1
+            --batch $b --budget "${PROFILE_BUDGET:-8}" --waves "${PROFILE_WAVES:-1}" --out "$OUT/profile_b$b" > "$OUT/profile_b$b.log" 2>&1
         tail -12 "$OUT/profile_b$b.log" | cut -c1-160
     done
 }
