@@ -361,27 +361,29 @@ class TreeRunnerMixin:
             self._bole_drafter.release(scheduler_output.finished_req_ids)
         if self._bole_auto is not None:
             self._bole_auto.switch.forget(scheduler_output.finished_req_ids)
-        if self._bole_async:
-            self._bole_settle(scheduler_output)
+        if self._bole_async and self._bole_settle(scheduler_output):
             # vLLM ordered the batch (``_may_reorder_batch``, inside its ``_update_states``) by the booked drafts;
-            # the settle cut them to the trees (none where the switch chose plain decoding): the order again, its
+            # the settle cut some to none (no tree, or the switch chose plain decoding): the order again, its
             # moves applied to the sampling metadata and logits processors as vLLM applies its own
             self._may_reorder_batch(scheduler_output)
             self.input_batch.refresh_metadata()
         return out
 
-    def _bole_trim_drafts(self, so) -> None:
+    def _bole_trim_drafts(self, so) -> bool:
         """Async scheduling: this step's booked drafts (``so``: the runner's copy of the scheduler output, see
         :meth:`execute_model`) cut to each request's drafted tree (none: its root alone), in the scheduled
         tokens and the draft slots; the booked counts kept for the next settle (the scheduler rolls back the
-        booked drafts; ``prev_num_draft_len`` counts its placeholders)."""
+        booked drafts; ``prev_num_draft_len`` counts its placeholders). Returns whether a request's booked
+        drafts were all cut (the batch's order by drafts changed)."""
         spec = so.scheduled_spec_decode_tokens or {}
         self._bole_booked = {rid: len(d) for rid, d in spec.items()}
         drafted, index, _ = self._bole_drafted or (None, {}, None)
         sizes = drafted.nodes_per_request.tolist() if drafted is not None else []
         ib = self.input_batch
+        emptied = False
         for rid, d in spec.items():
             keep = min(len(d), sizes[index[rid]] - 1) if rid in index else 0
+            emptied |= keep == 0 < len(d)
             if keep < len(d):
                 spec[rid] = d[:keep]
                 so.num_scheduled_tokens[rid] -= len(d) - keep
@@ -390,6 +392,7 @@ class TreeRunnerMixin:
             if state is not None and rid in ib.req_id_to_index:
                 ib.update_req_spec_token_ids(state, spec)  # after the settled tokens
                 state.prev_num_draft_len = len(d)
+        return emptied
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         if self._bole_async and scheduler_output.scheduled_spec_decode_tokens:
@@ -400,7 +403,7 @@ class TreeRunnerMixin:
                 scheduled_spec_decode_tokens=dict(scheduler_output.scheduled_spec_decode_tokens))
         return super().execute_model(scheduler_output, *args, **kwargs)
 
-    def _bole_settle(self, scheduler_output) -> None:
+    def _bole_settle(self, scheduler_output) -> bool:
         """Async scheduling: the last step's results applied on the host before this step's inputs are laid
         out (vLLM's scheduler booked this step while the last one ran: ``1 + b`` tokens for a request with ``b``
         booked drafts, every draft taken as accepted, ``-1`` placeholders for its output tokens). Waits for the
@@ -410,7 +413,8 @@ class TreeRunnerMixin:
         processes that output, after this step is launched); vLLM's device copy of the last tokens dropped
         (inputs come from the corrected host rows). Then the last tree step's host work
         (:meth:`_bole_finish_step`), this step's drafts (those launched behind the last verification read, else
-        drafted now from the corrected histories) and its booked drafts cut to them (:meth:`_bole_trim_drafts`)."""
+        drafted now from the corrected histories) and its booked drafts cut to them (:meth:`_bole_trim_drafts`,
+        whose answer it returns: some request left without drafts)."""
         t0 = time.perf_counter()
         sampled, self._bole_sampled = self._bole_sampled, None
         ib = self.input_batch
@@ -441,8 +445,9 @@ class TreeRunnerMixin:
         if self._bole_pending_draft is None and ib.num_reqs:
             self._bole_propose(None)
         self._bole_finish_draft()
-        self._bole_trim_drafts(scheduler_output)
+        emptied = self._bole_trim_drafts(scheduler_output)
         self._bole_stats["settle_s"] += time.perf_counter() - t0
+        return emptied
 
     def _bole_tree_rows(self, scheduler_output) -> list[bool]:
         """Per persistent-batch row: verified as a tree this step. The requests vLLM scheduled with drafts;
@@ -1017,11 +1022,14 @@ class TreeRunnerMixin:
         (finish, req_ids, launch_s), self._bole_pending_draft = self._bole_pending_draft, None
         t0 = time.perf_counter()
         tree, choice = finish()
+        if tree is None:  # async: the switch chose plain decoding for the step (:meth:`_bole_propose`)
+            self._bole_drafted = None
+            return
         if choice is not None:
             self._bole_budget.chosen(choice)
             self._bole_metrics.observe("vllm:bole_budget_nodes", choice.total)
         if self._bole_async:  # the scheduler takes no drafts (it booked placeholders): the trees alone
-            self._bole_drafted = None if tree is None else (tree, {rid: r for r, rid in enumerate(req_ids)}, None)
+            self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, None)
         else:
             from vllm.v1.outputs import DraftTokenIds
 
