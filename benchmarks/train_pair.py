@@ -193,16 +193,21 @@ def train_one(name: str, args) -> dict:
     total = args.steps or STEPS[name]
     losses, seconds, done = _optimize(name, model.parameters(), opt, lambda x: _loss(model, x), train, seq, batch,
                                       total, torch.Generator(device="cpu").manual_seed(args.seed + 1), SECONDS[name])
-    model.eval()
-    out = args.out / name
-    shutil.rmtree(out, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    for f in (args.data / "tokenizer").iterdir():
-        shutil.copy(f, out / f.name)
+    _save(model, args.out / name, args.data)
     return dict(model=name, arch=cfg.architectures[0] if cfg.architectures else type(model).__name__,
                 params=params, steps=done, step_limit=total, tokens=done * batch * seq, seconds=round(seconds, 1),
                 loss=losses, lr=LR[name], seq=seq, batch=batch)
+
+
+def _save(model, out: Path, data: Path) -> None:
+    """A trained model as a bf16 checkpoint in ``out`` (replaced), with the pair's tokenizer."""
+    import torch
+
+    shutil.rmtree(out, ignore_errors=True)
+    model.eval().to(torch.bfloat16).save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    for f in (data / "tokenizer").iterdir():
+        shutil.copy(f, out / f.name)
 
 
 def _target_features(target, x):
@@ -301,12 +306,7 @@ def train_distill(args) -> dict:
 
     losses, seconds, done = _optimize("distill", draft.parameters(), opt, loss_of, train, seq, batch, total,
                                       torch.Generator(device="cpu").manual_seed(args.seed + 3), SECONDS["distill"])
-    out = args.out / "draft"
-    shutil.rmtree(out, ignore_errors=True)
-    draft.eval().to(torch.bfloat16).save_pretrained(out)
-    draft.generation_config.save_pretrained(out)
-    for f in (args.data / "tokenizer").iterdir():
-        shutil.copy(f, out / f.name)
+    _save(draft, args.out / "draft", args.data)
     return dict(model="distill", target=args.head_target, steps=done, step_limit=total, tokens=done * batch * seq,
                 seconds=round(seconds, 1), loss=losses, lr=LR["distill"], seq=seq, batch=batch)
 
