@@ -46,7 +46,9 @@ target forward of a tree step, GPU time), ``prepare_ms`` (input preparation per 
 scheduler, sampler and output processing), ``step_ms_by_kind`` / ``steps_by_kind`` (engine steps of trees
 alone, of trees beside prompt rows (``mixed``), without trees (``plain``) and of trees right after a step
 without trees (``catchup``: the draft catching up on a prompt or on plain decoding): their mean wall time and
-count; where a cell's steps differ from its steady state), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
+count; where a cell's steps differ from its steady state), ``phase_ms_by_kind`` (per step kind its steps and the
+mean milliseconds per step of each timed part: ``prepare``, ``prepare_vllm``, ``draft``, ``forward``,
+``verify_commit``, ``finish``, ``settle``), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
 after a step without trees, the draft catching up: count and mean milliseconds), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
 cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
@@ -70,7 +72,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_bole.adapter.tree_step import STEP_KINDS  # noqa: E402
+from vllm_bole.adapter.tree_step import PHASES, STEP_KINDS  # noqa: E402
 from vllm_bole.testing import engine_run  # noqa: E402
 
 STORE = Path("/tmp/bole_bench")
@@ -208,6 +210,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    steps_by_kind={k: st.get(f"timed_{k}_steps", 0) for k in STEP_KINDS},
                    step_ms_by_kind={k: 1000 * st[f"timed_{k}_steps_s"] / st[f"timed_{k}_steps"] for k in STEP_KINDS
                                     if st.get(f"timed_{k}_steps")},
+                   phase_ms_by_kind=phase_ms_by_kind(st),
                    chained_drafts=st.get("chained_drafts", 0), plain_drafts=st.get("plain_drafts", 0),
                    plain_draft_ms=1000 * st["plain_draft_s"] / st["plain_drafts"] if st.get("plain_drafts") else None,
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
@@ -228,6 +231,18 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
     else:
         row["accept_len"] = 1.0
     return row
+
+
+def phase_ms_by_kind(stats: dict) -> dict:
+    """{step kind: {phase: mean milliseconds per step of that kind}, with its ``steps``}: where a kind's steps
+    spend their time (e.g. ``mixed`` against ``trees``: the prompt rows' forward, the draft's prefill)."""
+    out = {}
+    for k in STEP_KINDS:
+        n = stats.get(f"by_kind_{k}_steps", 0)
+        if n:
+            out[k] = dict(steps=n, **{p.removesuffix("_s") + "_ms": round(1000 * stats[f"by_kind_{k}_{p}"] / n, 4)
+                                      for p in PHASES})
+    return out
 
 
 def request_spread(stats: dict, streams: list | None = None, eos: int | None = None) -> dict | None:

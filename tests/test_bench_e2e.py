@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_e2e  # noqa: E402
+from vllm_bole.adapter.tree_step import by_kind_keys  # noqa: E402
 
 
 def stand_in(timed: list, running: list | None = None, lock=threading.Lock()):
@@ -152,9 +153,15 @@ def test_a_tree_row_times_its_steps_by_kind():
               forward_s=0.02, prepare_s=0.03, drafted_nodes=70, timed_trees_steps=8, timed_trees_steps_s=0.04,
               timed_mixed_steps=4, timed_mixed_steps_s=0.06, timed_plain_steps=0, timed_plain_steps_s=0.0,
               timed_catchup_steps=2, timed_catchup_steps_s=0.05, plain_drafts=4, plain_draft_s=0.01)
+    st.update({k: 0 for k in by_kind_keys()}, by_kind_mixed_steps=4, by_kind_mixed_draft_s=0.02,
+              by_kind_mixed_forward_s=0.012, by_kind_trees_steps=10, by_kind_trees_draft_s=0.01)
     res = dict(tokens=[[1] * 20] * 2, generate_s=0.2, times=[[0.0, 0.01, 0.1]] * 2, stats=st, counters={})
     row = bench_e2e.row_of(dict(mode="bole_tree", drafter="ngram"),
                            dict(batch=2, dataset="mt_bench", temperature=0.0, budget=8), res)
     assert row["steps_by_kind"] == {"trees": 8, "mixed": 4, "plain": 0, "catchup": 2}
     assert row["step_ms_by_kind"] == pytest.approx({"trees": 5.0, "mixed": 15.0, "catchup": 25.0})
     assert row["plain_drafts"] == 4 and row["plain_draft_ms"] == pytest.approx(2.5)
+    by = row["phase_ms_by_kind"]  # per step of each kind that ran, every timed part
+    assert set(by) == {"trees", "mixed"} and by["mixed"]["steps"] == 4 and by["trees"]["steps"] == 10
+    assert by["mixed"]["draft_ms"] == pytest.approx(5.0) and by["mixed"]["forward_ms"] == pytest.approx(3.0)
+    assert by["trees"]["draft_ms"] == pytest.approx(1.0) and by["trees"]["prepare_ms"] == 0

@@ -37,7 +37,7 @@ import pytest
 
 from engines import (BUDGET, CONSTRAINED, DEPTH, MAX_TOKENS, NGRAM_ARCHS, NUM_SAMPLES, PROMPTS, SAMPLE_TOKENS, SAMPLED,
                      logprobs_k, spec_config)
-from vllm_bole.adapter.tree_step import STEP_KINDS
+from vllm_bole.adapter.tree_step import PHASES, STEP_KINDS
 from vllm_bole.testing import adapter_checks, engine_run, serve_run
 from vllm_bole.testing.lossless import compare_greedy
 from vllm_bole.testing.stats import sample_homogeneity
@@ -421,6 +421,10 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     timed = {k: st[f"timed_{k}_steps"] for k in STEP_KINDS}  # engine steps timed by kind
     assert st["steps"] // 2 <= sum(timed.values()) <= st["steps"] and timed["trees"] > 0, timed
     assert (timed["mixed"] > 0) == (concurrency is not None) and st["timed_trees_steps_s"] > 0, timed
+    for phase in PHASES:  # every timed part lands in the kind of the step it belongs to
+        parts = sum(st[f"by_kind_{k}_{phase}"] for k in STEP_KINDS)
+        assert parts == pytest.approx(st[phase], rel=1e-6, abs=1e-9), (phase, parts, st[phase])
+    assert sum(st[f"by_kind_{k}_steps"] for k in STEP_KINDS) == st["steps"], st
     if arch == "llama":
         assert st["chained_drafts"] == st["tree_steps"] and st["accepted"] > 0, (st["chained_drafts"], st["accepted"])
 

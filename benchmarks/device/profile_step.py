@@ -77,7 +77,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_bole.adapter.tree_step import STEP_KINDS
+    from vllm_bole.adapter.tree_step import STEP_KINDS, by_kind_keys
 
     gpu = torch.cuda.is_available()
     budget = args.budget if args.budget == "auto" else int(args.budget)
@@ -127,7 +127,8 @@ def main() -> None:
             counted = ("steps", "tree_steps", "graph_tree_steps", "draft_s", "verify_commit_s", "prepare_s", "forward_s",
                        "accepted", "verified_requests", "drafted_nodes", "split_tree_steps", "split_piecewise_steps",
                        "chained_drafts", "plain_drafts", "plain_draft_s", "settled_steps", "settle_s",
-                       "plain_decode_steps") + tuple(f"timed_{k}_steps{u}" for k in STEP_KINDS for u in ("", "_s"))
+                       "plain_decode_steps") + tuple(f"timed_{k}_steps{u}" for k in STEP_KINDS for u in ("", "_s")) \
+                + by_kind_keys()
             row["bole_stats"] = {k: st[k] - stats0[k] for k in counted if k in st}
             row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["verified_requests"], 1), 3)
             ps = pstats.Stats(prof)

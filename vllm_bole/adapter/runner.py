@@ -57,7 +57,7 @@ from vllm_bole.adapter.budget import StepBudget
 from vllm_bole.adapter.layers import RECURRENT_KINDS, AttentionGroup, AttentionLayer
 from vllm_bole.adapter.metrics import WorkerMetrics, snapshot_path
 from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tree, tree_sampling
-from vllm_bole.adapter.tree_step import STEP_KINDS, ActiveStep, TreeStep
+from vllm_bole.adapter.tree_step import STEP_KINDS, ActiveStep, TreeStep, by_kind_keys
 from vllm_bole.attention.tree_attention import tree_slot_mapping
 from vllm_bole.config import AUTO_ONLY, TreeSpecConfig
 from vllm_bole.dispatch import triton_variants
@@ -179,7 +179,8 @@ class TreeRunnerMixin:
                                 plain_drafts=0, plain_draft_s=0.0,
                                 verify_commit_s=0.0, finish_s=0.0, settle_s=0.0, settled_steps=0, prepare_s=0.0,
                                 prepare_vllm_s=0.0, forward_s=0.0,
-                                **{f"timed_{k}_steps{u}": z for k in STEP_KINDS for u, z in (("", 0), ("_s", 0.0))})
+                                **{f"timed_{k}_steps{u}": z for k in STEP_KINDS for u, z in (("", 0), ("_s", 0.0))},
+                                **{k: 0 if k.endswith("_steps") else 0.0 for k in by_kind_keys()})
         # the engine step under way: its kind (STEP_KINDS), when its input preparation began; when the last one's
         # sampling ended
         self._bole_step_kind: str | None = None
@@ -446,7 +447,7 @@ class TreeRunnerMixin:
             self._bole_propose(None)
         self._bole_finish_draft()
         emptied = self._bole_trim_drafts(scheduler_output)
-        self._bole_stats["settle_s"] += time.perf_counter() - t0
+        self._bole_timed("settle_s", time.perf_counter() - t0)
         return emptied
 
     def _bole_tree_rows(self, scheduler_output) -> list[bool]:
@@ -493,7 +494,7 @@ class TreeRunnerMixin:
         try:
             return self._bole_prepare_inputs(scheduler_output, num_scheduled_tokens)
         finally:
-            self._bole_stats["prepare_s"] += time.perf_counter() - t0
+            self._bole_timed("prepare_s", time.perf_counter() - t0)
 
     def _bole_time_step(self, now: float) -> None:
         """The previous engine step's wall time, from its input preparation to this one's (the engine's
@@ -507,12 +508,20 @@ class TreeRunnerMixin:
             self._bole_stats[f"timed_{kind}_steps"] += 1
             self._bole_stats[f"timed_{kind}_steps_s"] += now - t
 
+    def _bole_timed(self, phase: str, seconds: float) -> None:
+        """``seconds`` of ``phase`` (tree_step.PHASES) into its counter and into that of the kind of the engine
+        step under way (set at its input preparation; a step's later parts, its results read at the next
+        step's settle under async scheduling included, run before the next input preparation resets it)."""
+        self._bole_stats[phase] += seconds
+        if self._bole_step_kind is not None:
+            self._bole_stats[f"by_kind_{self._bole_step_kind}_{phase}"] += seconds
+
     def _bole_prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self._bole_budget is not None:
             self._bole_budget.start()
         t0 = time.perf_counter()
         logits_indices, spec_md, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self._bole_stats["prepare_vllm_s"] += time.perf_counter() - t0
+        vllm_s = time.perf_counter() - t0
         assert spec_md is None, "vllm-bole: the model-side config must not carry vLLM's speculative config"
         self._bole_install_layers()
         self._bole_stats["steps"] += 1
@@ -521,6 +530,8 @@ class TreeRunnerMixin:
         step, pos, tree_logits = self._bole_build_step(scheduler_output, num_scheduled_tokens)
         kind = "plain" if step is None else "trees" if step.num_plain == 0 else "mixed"
         self._bole_step_kind = "catchup" if kind == "trees" and self._bole_last_kind == "plain" else kind
+        self._bole_stats[f"by_kind_{self._bole_step_kind}_steps"] += 1
+        self._bole_timed("prepare_vllm_s", vllm_s)
         self._bole_step = step
         plain = step.num_plain if step is not None else self.input_batch.num_reqs
         qsl = self.query_start_loc.np[: plain + 1]
@@ -686,7 +697,7 @@ class TreeRunnerMixin:
         for r, rid in enumerate(step.req_ids if step.state_slots else ()):  # host copies: no device sync
             self._bole_pending_slots[rid] = {gid: slots[r] for gid, slots in step.state_slots_host.items()}
         t1 = time.perf_counter()
-        self._bole_stats["verify_commit_s"] += t1 - t0
+        self._bole_timed("verify_commit_s", t1 - t0)
         self._bole_metrics.observe("vllm:bole_verify_commit_seconds", t1 - t0)
         self._bole_metrics.observe("vllm:bole_transient_recurrent_bytes", transient)
         fetch = res.to_host_async()  # the step's results, copied to the host behind its commit
@@ -704,7 +715,7 @@ class TreeRunnerMixin:
             t1 += launch_s
         if self._bole_async and md.max_num_logprobs is None:  # the host work that needs the results: next step
             self._bole_unsettled = (fetch, step, P, launch_s)
-            self._bole_stats["finish_s"] += time.perf_counter() - t1
+            self._bole_timed("finish_s", time.perf_counter() - t1)
             return SamplerOutput(sampled_token_ids=_token_grid(P, plain, res.output_token_ids).int(),
                                  logprobs_tensors=None)
         host = fetch()  # the forward has run
@@ -714,7 +725,7 @@ class TreeRunnerMixin:
             logprobs = emitted_logprobs(self.sampler, self._bole_logprobs_mode, logits, P, step.host_tree, host, grid,
                                         md.max_num_logprobs)
         self._bole_finish_step(step, host, P, launch_s)
-        self._bole_stats["finish_s"] += time.perf_counter() - t1
+        self._bole_timed("finish_s", time.perf_counter() - t1)
         return SamplerOutput(sampled_token_ids=upload(grid, logits.device, torch.int32), logprobs_tensors=logprobs)
 
     def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
@@ -741,7 +752,7 @@ class TreeRunnerMixin:
         tree = step.tree
         if self._bole_forward_timer is not None:
             fwd, self._bole_forward_timer = self._bole_forward_timer.seconds(), None
-            self._bole_stats["forward_s"] += fwd
+            self._bole_timed("forward_s", fwd)
             grown = self._bole_compiled() if self._bole_variants is None or fwd > SLOW_FORWARD_S else None
             if fwd > SLOW_FORWARD_S:
                 graphs = self._bole_graphs
@@ -1037,7 +1048,7 @@ class TreeRunnerMixin:
             self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, flat)
             self._bole_drafts = DraftTokenIds(req_ids, flat)
         dt = launch_s + time.perf_counter() - t0
-        self._bole_stats["draft_s"] += dt
+        self._bole_timed("draft_s", dt)
         if self._bole_step_kind == "plain":  # drafted after a step without trees: the draft catching up
             self._bole_stats["plain_drafts"] += 1
             self._bole_stats["plain_draft_s"] += dt

@@ -20,6 +20,14 @@ from vllm_bole.spec_decode.tree import TreeBatch
 # engine steps the runner times apart: trees alone, trees beside prompt or plain rows, no trees, and trees alone
 # right after a step without trees (the draft catching up on the tokens it has not seen: a prompt, plain decoding)
 STEP_KINDS = ("trees", "mixed", "plain", "catchup")
+# the parts of a step the runner times (seconds), each also per step kind: ``by_kind_{kind}_{phase}``, beside
+# ``by_kind_{kind}_steps`` (every step of that kind, idle or not: the per-step mean's denominator)
+PHASES = ("prepare_s", "prepare_vllm_s", "draft_s", "forward_s", "verify_commit_s", "finish_s", "settle_s")
+
+
+def by_kind_keys() -> tuple[str, ...]:
+    """The runner's per-kind counters (:data:`STEP_KINDS` x (steps, :data:`PHASES`))."""
+    return tuple(f"by_kind_{k}_{p}" for k in STEP_KINDS for p in ("steps",) + PHASES)
 
 
 @dataclass
