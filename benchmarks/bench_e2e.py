@@ -43,12 +43,14 @@ other tokens, averaged over the cell's requests), and for ours the split per ste
 step's results to the host, which waits for its forward, and the counters), ``forward_ms`` (the
 target forward of a tree step, GPU time), ``prepare_ms`` (input preparation per step, host;
 ``prepare_vllm_ms`` of it vLLM's own), ``step_ms`` (whole engine step; the rest is vLLM's
-scheduler, sampler and output processing), ``step_ms_by_kind`` / ``steps_by_kind`` (engine steps of trees
+scheduler, sampler and output processing; for AR and vLLM's chain from ``engine_steps``, vLLM's own count of its
+engine steps), ``step_ms_by_kind`` / ``steps_by_kind`` (engine steps of trees
 alone, of trees beside prompt rows (``mixed``), without trees (``plain``) and of trees right after a step
 without trees (``catchup``: the draft catching up on a prompt or on plain decoding): their mean wall time and
 count; where a cell's steps differ from its steady state), ``phase_ms_by_kind`` (per step kind its steps and the
 mean milliseconds per step of each timed part: ``prepare``, ``prepare_vllm``, ``draft``, ``forward``,
-``verify_commit``, ``finish``, ``settle``), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
+``verify_commit``, ``finish``, ``settle``), ``step_spread`` (the same per timed step: [p50, p90, max] of its wall
+and parts' milliseconds per kind, and the five slowest steps whole), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
 after a step without trees, the draft catching up: count and mean milliseconds), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
 cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
@@ -210,7 +212,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    steps_by_kind={k: st.get(f"timed_{k}_steps", 0) for k in STEP_KINDS},
                    step_ms_by_kind={k: 1000 * st[f"timed_{k}_steps_s"] / st[f"timed_{k}_steps"] for k in STEP_KINDS
                                     if st.get(f"timed_{k}_steps")},
-                   phase_ms_by_kind=phase_ms_by_kind(st),
+                   phase_ms_by_kind=phase_ms_by_kind(st), step_spread=step_spread(st.get("step_log") or []),
                    chained_drafts=st.get("chained_drafts", 0), plain_drafts=st.get("plain_drafts", 0),
                    plain_draft_ms=1000 * st["plain_draft_s"] / st["plain_drafts"] if st.get("plain_drafts") else None,
                    drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
@@ -230,6 +232,9 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    counters=cn)
     else:
         row["accept_len"] = 1.0
+    if cn.get("engine_steps"):  # vLLM's own count of engine steps (any mode): AR's mean step beside ours
+        row["engine_steps"] = cn["engine_steps"]
+        row.setdefault("step_ms", 1000 * res["generate_s"] / cn["engine_steps"])
     return row
 
 
@@ -242,6 +247,21 @@ def phase_ms_by_kind(stats: dict) -> dict:
         if n:
             out[k] = dict(steps=n, **{p.removesuffix("_s") + "_ms": round(1000 * stats[f"by_kind_{k}_{p}"] / n, 4)
                                       for p in PHASES})
+    return out
+
+
+def step_spread(log: list) -> dict:
+    """The runner's step log (timed engine steps: [kind, requests, tree tokens, wall ms, ms of each timed part])
+    as, per step kind, its steps and [p50, p90, max] of the wall and of each part's milliseconds; ``slowest``:
+    the five longest steps whole (are a kind's mean steps uniformly slow or a few outliers, and which part)."""
+    cols = ("wall_ms",) + tuple(p.removesuffix("_s") + "_ms" for p in PHASES)
+    out = {}
+    for k in STEP_KINDS:
+        rows = np.array([r[3:] for r in log if r[0] == k], dtype=float).reshape(-1, len(cols))
+        if len(rows):
+            out[k] = dict(steps=len(rows), **{c: np.percentile(rows[:, i], [50, 90, 100]).round(3).tolist()
+                                              for i, c in enumerate(cols)})
+    out["slowest"] = [dict(zip(("kind", "requests", "tree_tokens") + cols, r)) for r in sorted(log, key=lambda r: -r[3])[:5]]
     return out
 
 

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_e2e  # noqa: E402
-from vllm_bole.adapter.tree_step import by_kind_keys  # noqa: E402
+from vllm_bole.adapter.tree_step import PHASES, by_kind_keys  # noqa: E402
 
 
 def stand_in(timed: list, running: list | None = None, lock=threading.Lock()):
@@ -165,3 +165,34 @@ def test_a_tree_row_times_its_steps_by_kind():
     assert set(by) == {"trees", "mixed"} and by["mixed"]["steps"] == 4 and by["trees"]["steps"] == 10
     assert by["mixed"]["draft_ms"] == pytest.approx(5.0) and by["mixed"]["forward_ms"] == pytest.approx(3.0)
     assert by["trees"]["draft_ms"] == pytest.approx(1.0) and by["trees"]["prepare_ms"] == 0
+    parts = [0.0] * len(PHASES)
+    log = [["trees", 2, 18, ms, *parts] for ms in (4.0, 5.0, 6.0, 50.0)] + [["mixed", 2, 9, 20.0, 3.0, *parts[1:]]]
+    spread = bench_e2e.row_of(dict(mode="bole_tree", drafter="ngram"),
+                              dict(batch=2, dataset="mt_bench", temperature=0.0, budget=8),
+                              dict(res, stats=dict(st, step_log=log)))["step_spread"]
+    assert spread["trees"]["steps"] == 4 and spread["trees"]["wall_ms"][0] == pytest.approx(5.5)
+    assert spread["trees"]["wall_ms"][2] == 50.0 and spread["mixed"]["prepare_ms"] == [3.0, 3.0, 3.0]
+    assert [r["wall_ms"] for r in spread["slowest"]] == [50.0, 20.0, 6.0, 5.0, 4.0]
+    assert spread["slowest"][1]["kind"] == "mixed" and spread["slowest"][1]["tree_tokens"] == 9
+
+
+def test_an_ar_row_has_its_mean_engine_step_from_vllms_counters():
+    """AR's rows: the mean engine step from vLLM's own step count (``engine_steps``), to set beside ours."""
+    res = dict(tokens=[[1] * 20] * 2, generate_s=0.2, times=[[0.0, 0.01, 0.1]] * 2, stats=None,
+               counters=dict(engine_steps=40, engine_step_tokens=90))
+    row = bench_e2e.row_of(dict(mode="ar", drafter="none", k=0), dict(batch=2, dataset="mt_bench", temperature=0.0,
+                                                                      budget=None), res)
+    assert row["engine_steps"] == 40 and row["step_ms"] == pytest.approx(5.0) and row["accept_len"] == 1.0
+
+
+def test_stats_delta_takes_the_records_appended_since_from_full_logs():
+    """A log keeps its latest records only: the records of a job are the last ``{log}_total`` delta of them,
+    also once the log is full (its length then no longer grows)."""
+    from vllm_bole.testing.engine_run import _stats_delta
+
+    before = dict(step_log=[[i] for i in range(90, 100)], step_log_total=100, accept_log=[1, 2], accept_log_total=2)
+    after = dict(step_log=[[i] for i in range(94, 104)], step_log_total=104, accept_log=[1, 2, 3], accept_log_total=3)
+    got = _stats_delta(before, after)
+    assert got["step_log"] == [[100], [101], [102], [103]] and got["accept_log"] == [3]
+    many = dict(after, step_log_total=150)  # more appended than the log keeps: all it still holds
+    assert _stats_delta(before, many)["step_log"] == after["step_log"]

@@ -425,6 +425,9 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
         parts = sum(st[f"by_kind_{k}_{phase}"] for k in STEP_KINDS)
         assert parts == pytest.approx(st[phase], rel=1e-6, abs=1e-9), (phase, parts, st[phase])
     assert sum(st[f"by_kind_{k}_steps"] for k in STEP_KINDS) == st["steps"], st
+    log = st["step_log"]  # one record per timed step: its kind, size, wall and parts
+    assert len(log) == st["step_log_total"] == sum(timed.values()) and {r[0] for r in log} == {k for k in timed if timed[k]}
+    assert all(len(r) == 4 + len(PHASES) and r[3] > 0 for r in log), log[:3]
     if arch == "llama":
         assert st["chained_drafts"] == st["tree_steps"] and st["accepted"] > 0, (st["chained_drafts"], st["accepted"])
 

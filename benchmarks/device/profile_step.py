@@ -2,7 +2,9 @@
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the same batch decoded without speculation and with
 ``bole_tree``, each timed alone, then once more under torch.profiler on CUDA (device busy time,
 kernel launches, top kernels) and, for the tree run, once under cProfile. Writes ``profile_step.json``:
-per mode seconds, tokens/s, steps; the tree run's ``bole_stats`` (drafting and verification seconds); the profile's top
+per mode seconds, tokens/s, steps; the tree run's ``bole_stats`` (drafting and verification seconds, also per step
+kind) and ``step_log`` (its timed pass's engine steps: kind, requests, tree tokens, wall ms, ms of each timed
+part: ``tree_step.PHASES``); the profile's top
 functions by cumulative and by own time, and every ``vllm_bole`` function.
 
     python benchmarks/device/profile_step.py --model DIR [--draft DIR] [--budget 8] [--batch 1] --out DIR
@@ -130,6 +132,8 @@ def main() -> None:
                        "plain_decode_steps") + tuple(f"timed_{k}_steps{u}" for k in STEP_KINDS for u in ("", "_s")) \
                 + by_kind_keys()
             row["bole_stats"] = {k: st[k] - stats0[k] for k in counted if k in st}
+            new = min(st["step_log_total"] - stats0["step_log_total"], len(st["step_log"]))
+            row["step_log"] = st["step_log"][len(st["step_log"]) - new:]  # the timed pass's steps, each with its parts
             row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["verified_requests"], 1), 3)
             ps = pstats.Stats(prof)
             row["top_cumulative"] = _rows(ps, "cum_s", 60)

@@ -57,7 +57,7 @@ from vllm_bole.adapter.budget import StepBudget
 from vllm_bole.adapter.layers import RECURRENT_KINDS, AttentionGroup, AttentionLayer
 from vllm_bole.adapter.metrics import WorkerMetrics, snapshot_path
 from vllm_bole.adapter.sampling import constrain, emitted_logprobs, supports_tree, tree_sampling
-from vllm_bole.adapter.tree_step import STEP_KINDS, ActiveStep, TreeStep, by_kind_keys
+from vllm_bole.adapter.tree_step import PHASES, STEP_KINDS, ActiveStep, TreeStep, by_kind_keys
 from vllm_bole.attention.tree_attention import tree_slot_mapping
 from vllm_bole.config import AUTO_ONLY, TreeSpecConfig
 from vllm_bole.dispatch import triton_variants
@@ -78,6 +78,7 @@ DRAFT_KV_BYTES = {True: 4 << 30, False: 256 << 20}  # the paged draft's KV pool 
 # check the engine's configuration; the mapping follows from the same block tables afterwards)
 CHECKED_STEPS = 16
 IDLE_GAP_S = 0.05  # from a step's sampled tokens to the next step's input preparation: longer, the engine idled
+LOGS = {"accept_log": 100_000, "slow_steps": 1000, "step_log": 20_000}  # the counters' logs: records kept at most
 SLOW_FORWARD_S = 0.02  # a tree step's forward over this is logged (``slow_steps``): 0.6-1.2 ms from a graph on the H200
 
 
@@ -187,11 +188,16 @@ class TreeRunnerMixin:
         self._bole_last_kind: str | None = None  # the kind of the step before it
         self._bole_step_t = self._bole_step_end = 0.0
         self._bole_forward_timer: _ForwardTimer | None = None
-        # (request, drafted first-child chain length, accepted draft nodes) of the latest trees
-        self._bole_accept_log: collections.deque = collections.deque(maxlen=100_000)
-        # tree steps whose target forward took over SLOW_FORWARD_S: [tree step, requests, nodes, plain rows beside
-        # them, replayed from a whole graph, forward ms, {Triton kernel: variants compiled since the last check}]
-        self._bole_slow_log: collections.deque = collections.deque(maxlen=1000)
+        # the latest records, each log with its count of records ever appended (``{name}_total``): accept_log
+        # (request, drafted first-child chain length, accepted draft nodes) per tree; slow_steps (below); step_log
+        # per timed engine step [kind, requests, tree tokens, wall ms, then the ms of each of PHASES]
+        self._bole_logs = {name: collections.deque(maxlen=n) for name, n in LOGS.items()}
+        self._bole_stats.update({f"{name}_total": 0 for name in LOGS})
+        self._bole_parts = dict.fromkeys(PHASES, 0.0)  # the step under way's timed parts
+        self._bole_step_size = (0, 0)  # its requests and tree tokens
+        # slow_steps: tree steps whose target forward took over SLOW_FORWARD_S: [tree step, requests, nodes, plain
+        # rows beside them, replayed from a whole graph, forward ms, {Triton kernel: variants compiled since the
+        # last check}]
         self._bole_variants: dict | None = None  # compiled Triton variants per kernel at the last check
         self._bole_calibration = Calibration()  # decaying: the builder's factors
         self._bole_kinds = torch.zeros_like(self._bole_calibration.counts)  # since start: the stats
@@ -504,15 +510,23 @@ class TreeRunnerMixin:
         this step)."""
         kind, t, self._bole_step_kind, self._bole_step_t = self._bole_step_kind, self._bole_step_t, None, now
         self._bole_last_kind = kind
+        parts, self._bole_parts = self._bole_parts, dict.fromkeys(PHASES, 0.0)
         if kind is not None and now - self._bole_step_end <= IDLE_GAP_S:
             self._bole_stats[f"timed_{kind}_steps"] += 1
             self._bole_stats[f"timed_{kind}_steps_s"] += now - t
+            self._bole_log("step_log", [kind, *self._bole_step_size, round(1000 * (now - t), 3)]
+                           + [round(1000 * parts[p], 3) for p in PHASES])
+
+    def _bole_log(self, name: str, record) -> None:
+        self._bole_logs[name].append(record)
+        self._bole_stats[f"{name}_total"] += 1
 
     def _bole_timed(self, phase: str, seconds: float) -> None:
         """``seconds`` of ``phase`` (tree_step.PHASES) into its counter and into that of the kind of the engine
         step under way (set at its input preparation; a step's later parts, its results read at the next
         step's settle under async scheduling included, run before the next input preparation resets it)."""
         self._bole_stats[phase] += seconds
+        self._bole_parts[phase] += seconds
         if self._bole_step_kind is not None:
             self._bole_stats[f"by_kind_{self._bole_step_kind}_{phase}"] += seconds
 
@@ -531,6 +545,7 @@ class TreeRunnerMixin:
         kind = "plain" if step is None else "trees" if step.num_plain == 0 else "mixed"
         self._bole_step_kind = "catchup" if kind == "trees" and self._bole_last_kind == "plain" else kind
         self._bole_stats[f"by_kind_{self._bole_step_kind}_steps"] += 1
+        self._bole_step_size = (self.input_batch.num_reqs, 0 if step is None else step.num_tokens)
         self._bole_timed("prepare_vllm_s", vllm_s)
         self._bole_step = step
         plain = step.num_plain if step is not None else self.input_batch.num_reqs
@@ -756,7 +771,7 @@ class TreeRunnerMixin:
             grown = self._bole_compiled() if self._bole_variants is None or fwd > SLOW_FORWARD_S else None
             if fwd > SLOW_FORWARD_S:
                 graphs = self._bole_graphs
-                self._bole_slow_log.append([self._bole_stats["tree_steps"], tree.num_requests, tree.num_nodes, P,
+                self._bole_log("slow_steps", [self._bole_stats["tree_steps"], tree.num_requests, tree.num_nodes, P,
                                             graphs is not None and graphs.bucket is not None, round(1000 * fwd, 1),
                                             grown])
         acc = host.num_accepted.tolist()
@@ -767,7 +782,7 @@ class TreeRunnerMixin:
         st["drafted_nodes"] += int((step.host_tree.token_ids >= 0).sum()) - tree.num_requests
         st["accepted"] += sum(acc)
         for r, rid in enumerate(step.req_ids):
-            self._bole_accept_log.append((rid, step.chain_len[r], acc[r]))
+            self._bole_log("accept_log", (rid, step.chain_len[r], acc[r]))
         kinds = kind_counts(step.host_tree, host.accepted_nodes)
         self._bole_kinds += kinds
         self._bole_calibration.update(kinds)
@@ -817,7 +832,9 @@ class TreeRunnerMixin:
         of it vLLM's own), ``forward_s`` the target forward of tree steps (device time on CUDA),
         ``verify_commit_s`` per tree step (host, until the results are queued), ``finish_s`` the tree
         step's sampler output after that (results to the host, counters)) and the per-step log of
-        (request, drafted greedy-chain length, accepted draft nodes); ``slow_steps``: the tree steps whose
+        (request, drafted greedy-chain length, accepted draft nodes); ``step_log``: per timed engine step [kind,
+        requests, tree tokens, wall ms, ms of each of ``tree_step.PHASES``]; each log's ``{name}_total``: its records
+        ever appended (the latest :data:`LOGS` are kept); ``slow_steps``: the tree steps whose
         forward took over ``SLOW_FORWARD_S`` (tree step, requests, nodes, plain rows, from a whole graph, ms,
         Triton kernels compiled since the last check: ``dispatch.triton_variants``);
         ``branch_by_depth``: per depth
@@ -845,7 +862,7 @@ class TreeRunnerMixin:
         branch = {c: cols[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}
         return dict(self._bole_stats, **budget, branch_by_depth=branch,
                     calibration=self._bole_calibration.rates(self.bole_config.depth),
-                    accept_log=list(self._bole_accept_log), slow_steps=list(self._bole_slow_log))
+                    **{name: list(log) for name, log in self._bole_logs.items()})
 
     # ------------------------------------------------------------------ tree step
     def _bole_build_step(self, scheduler_output, num_scheduled_tokens) -> tuple:

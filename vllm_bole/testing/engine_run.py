@@ -298,18 +298,26 @@ def _stats(llm, req):
 
 
 def _counters(llm) -> dict:
-    """vLLM's spec-decode counters (``disable_log_stats=False`` engines; else empty)."""
+    """vLLM's spec-decode counters and ``engine_steps`` / ``engine_step_tokens`` (its engine steps and their
+    tokens, from the ``vllm:iteration_tokens_total`` histogram: any engine, AR included) of
+    ``disable_log_stats=False`` engines; else empty."""
     try:
         metrics = llm.get_metrics()
     except Exception:  # noqa: BLE001 - stats logging off
         return {}
-    return {m.name: m.value for m in metrics if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")
-            and isinstance(m.value, (int, float))}
+    out = {m.name: m.value for m in metrics if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")
+           and isinstance(m.value, (int, float))}
+    for m in metrics:
+        if m.name == "vllm:iteration_tokens_total" and hasattr(m, "count"):
+            out["engine_steps"] = out.get("engine_steps", 0) + m.count
+            out["engine_step_tokens"] = out.get("engine_step_tokens", 0) + m.sum
+    return out
 
 
 def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Counters as differences (``branch_by_depth``'s per-depth counts too); the accept log and the slow
-    steps from where they stood; other values (lists, rates) as they are now."""
+    """Counters as differences (``branch_by_depth``'s per-depth counts too); the logs (accept log, slow steps,
+    step log) as the records appended since ``before`` (by their ``{log}_total`` counts: a log keeps only its
+    latest records); other values (lists, rates) as they are now."""
     if after is None:
         return None
     out = {k: v - before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in after.items()}
@@ -319,8 +327,9 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     if "branch_by_depth" in after:
         out["branch_by_depth"] = {c: [a - b for a, b in zip(v, before["branch_by_depth"][c])]
                                   for c, v in after["branch_by_depth"].items()}
-    for log in ("accept_log", "slow_steps"):
-        out[log] = after.get(log, [])[len(before.get(log, [])):]
+    for log in ("accept_log", "slow_steps", "step_log"):  # the records appended since (those still kept)
+        rec = after.get(log, [])
+        out[log] = rec[max(len(rec) - out.get(f"{log}_total", len(rec)), 0):]
     return out
 
 
