@@ -215,6 +215,12 @@
 # the profiles: at ff6ad01 the steps with prompts beside trees took 20-55 ms against 8-16 for trees alone and 52-75% of
 # the c = 32 / 128 cells' time), then PROFILE_BUDGET=auto TREE_GRAPHS=1
 # PROFILE_BATCHES=1 `profile` (the controller's c = 1 tree steps), `online` with ONLINE_MODES="ar bole_tree bole_async".
+# 2026-12-05 (twenty-first session, no machine lent): the matrix rows now say where each kind of step spends its
+# time without a profile: `phase_ms_by_kind` (per step kind: prepare, vLLM's prepare, draft, forward, verification,
+# finish, settle, ms per step), `step_spread` (per kind [p50, p90, max] of the wall and of each part, and the five
+# slowest steps whole: are the controller's 8.1 ms c = 1 tree steps uniform or outliers?), and AR's / vLLM's chain's
+# mean engine step (`engine_steps`, `step_ms`: AR's steps with prompts are inside it). `profile` keeps its timed pass's
+# `step_log`. Same plan as above; read `phase_ms_by_kind["mixed"]` against `["trees"]` first.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"
