@@ -499,6 +499,7 @@ def same_as_ar(rows: list[dict]) -> None:
 
 def save(args, rows_by_part: dict) -> None:
     out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
     rows = [r for part in rows_by_part.values() for r in part["rows"]]
     same_as_ar(rows)
     head = _header(args)
