@@ -137,11 +137,11 @@ def test_a_job_names_the_kernels_compiled_while_it_ran():
 def test_a_job_counts_the_controller_choices_it_made():
     """A cell's counters are the job's differences: the controller's choices per token bucket too (buckets not
     chosen during the job left out); what it learnt per bucket as it stands."""
-    from vllm_bole.testing.engine_run import _stats_delta
+    from vllm_bole.testing.engine_run import stats_delta
 
     before = dict(budget_steps=3, budget_buckets={16: 2, 24: 1}, controller_model={16: dict(draft_ms=1.0)})
     after = dict(budget_steps=7, budget_buckets={16: 2, 24: 4, 32: 1}, controller_model={16: dict(draft_ms=1.5)})
-    got = _stats_delta(before, after)
+    got = stats_delta(before, after)
     assert got["budget_steps"] == 4 and got["budget_buckets"] == {24: 3, 32: 1}
     assert got["controller_model"] == {16: dict(draft_ms=1.5)}
 
@@ -185,14 +185,14 @@ def test_an_ar_row_has_its_mean_engine_step_from_vllms_counters():
     assert row["engine_steps"] == 40 and row["step_ms"] == pytest.approx(5.0) and row["accept_len"] == 1.0
 
 
-def test_stats_delta_takes_the_records_appended_since_from_full_logs():
+def teststats_delta_takes_the_records_appended_since_from_full_logs():
     """A log keeps its latest records only: the records of a job are the last ``{log}_total`` delta of them,
     also once the log is full (its length then no longer grows)."""
-    from vllm_bole.testing.engine_run import _stats_delta
+    from vllm_bole.testing.engine_run import stats_delta
 
     before = dict(step_log=[[i] for i in range(90, 100)], step_log_total=100, accept_log=[1, 2], accept_log_total=2)
     after = dict(step_log=[[i] for i in range(94, 104)], step_log_total=104, accept_log=[1, 2, 3], accept_log_total=3)
-    got = _stats_delta(before, after)
+    got = stats_delta(before, after)
     assert got["step_log"] == [[100], [101], [102], [103]] and got["accept_log"] == [3]
     many = dict(after, step_log_total=150)  # more appended than the log keeps: all it still holds
-    assert _stats_delta(before, many)["step_log"] == after["step_log"]
+    assert stats_delta(before, many)["step_log"] == after["step_log"]

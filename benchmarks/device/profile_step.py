@@ -80,6 +80,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_bole.adapter.tree_step import STEP_KINDS, by_kind_keys
+    from vllm_bole.testing.engine_run import stats_delta
 
     gpu = torch.cuda.is_available()
     budget = args.budget if args.budget == "auto" else int(args.budget)
@@ -131,9 +132,9 @@ def main() -> None:
                        "chained_drafts", "plain_drafts", "plain_draft_s", "settled_steps", "settle_s",
                        "plain_decode_steps") + tuple(f"timed_{k}_steps{u}" for k in STEP_KINDS for u in ("", "_s")) \
                 + by_kind_keys()
-            row["bole_stats"] = {k: st[k] - stats0[k] for k in counted if k in st}
-            new = min(st["step_log_total"] - stats0["step_log_total"], len(st["step_log"]))
-            row["step_log"] = st["step_log"][len(st["step_log"]) - new:]  # the timed pass's steps, each with its parts
+            delta = stats_delta(stats0, st)
+            row["bole_stats"] = {k: delta[k] for k in counted if k in delta}
+            row["step_log"] = delta["step_log"]  # the timed pass's steps, each with its parts
             row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["verified_requests"], 1), 3)
             ps = pstats.Stats(prof)
             row["top_cumulative"] = _rows(ps, "cum_s", 60)

@@ -314,10 +314,10 @@ def _counters(llm) -> dict:
     return out
 
 
-def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Counters as differences (``branch_by_depth``'s per-depth counts too); the logs (accept log, slow steps,
-    step log) as the records appended since ``before`` (by their ``{log}_total`` counts: a log keeps only its
-    latest records); other values (lists, rates) as they are now."""
+def stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Counters as differences (``branch_by_depth``'s per-depth counts too); the logs (each list ``log`` beside a
+    counter ``{log}_total`` of its records ever appended: accept log, slow steps, step log) as the records appended
+    since ``before`` (a log keeps only its latest records); other values (lists, rates) as they are now."""
     if after is None:
         return None
     out = {k: v - before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in after.items()}
@@ -327,9 +327,9 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     if "branch_by_depth" in after:
         out["branch_by_depth"] = {c: [a - b for a, b in zip(v, before["branch_by_depth"][c])]
                                   for c, v in after["branch_by_depth"].items()}
-    for log in ("accept_log", "slow_steps", "step_log"):  # the records appended since (those still kept)
-        rec = after.get(log, [])
-        out[log] = rec[max(len(rec) - out.get(f"{log}_total", len(rec)), 0):]
+    for log in [k.removesuffix("_total") for k in after if k.endswith("_total") and k.removesuffix("_total") in after]:
+        rec = after[log]  # the records appended since (those the log still keeps)
+        out[log] = rec[max(len(rec) - out[f"{log}_total"], 0):]
     return out
 
 
@@ -519,7 +519,7 @@ def _run(req) -> dict:
             before, counters, t1 = _stats(llm, req), _counters(llm), time.monotonic()
             res = dict(generate=_generate, mixed=_mixed, soak=_soak, gate=_gate)[job["kind"]](llm, job, out["jobs"])
             res["seconds"] = time.monotonic() - t1
-            res["stats"] = _stats_delta(before, _stats(llm, req))
+            res["stats"] = stats_delta(before, _stats(llm, req))
             res["counters"] = {k: v - counters.get(k, 0) for k, v in _counters(llm).items()}
             if warm is not None:
                 res["warm_up"] = warm
