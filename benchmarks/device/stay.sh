@@ -448,10 +448,11 @@ stage_newarchs() {  # issue 19: the open matrix rows, Qwen3.5 and Zamba2 with th
 }
 
 stage_mixed() {  # issue 13 item 1: the mixed batches with an abort and preemption (MIXED, default NemotronH, Mamba2,
-    # Llama; ~4 min)
+    # Llama; ~4 min); MIXED_SECONDS (560): the run's limit when less device time is left (engines stop 40 s before)
     project
     prior=/tmp/e2e_prior.json; [ -f "$prior" ] || prior=benchmarks/results/vllm_gpu_e2e.json
-    timeout 560 python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows --deadline 520 \
+    local t=${MIXED_SECONDS:-560}
+    timeout "$t" python3 benchmarks/device/vllm_gpu_e2e.py --part graphs --no-rows --deadline $((t - 40)) \
         $(printf -- "--mixed %s " ${MIXED:-nemotron_h mamba2 llama}) --prior "$prior" > "$OUT/vllm_gpu_e2e_mixed.log" 2>&1
     cp "$OUT/vllm_gpu_e2e.json" /tmp/e2e_prior.json 2>/dev/null  # the next stage's --prior
     tail -20 "$OUT/vllm_gpu_e2e_mixed.log" | cut -c1-200
