@@ -221,6 +221,12 @@
 # slowest steps whole: are the controller's 8.1 ms c = 1 tree steps uniform or outliers?), and AR's / vLLM's chain's
 # mean engine step (`engine_steps`, `step_ms`: AR's steps with prompts are inside it). `profile` keeps its timed pass's
 # `step_log`. Same plan as above; read `phase_ms_by_kind["mixed"]` against `["trees"]` first.
+# 2026-12-05 (twenty-second session, 2abfaae; an H100 after eight refused starts, 90 s each, and one taken back
+# mid-install): parts x3 (machine start included), then `install mixed` in one run with MIXED_SECONDS=420
+# MIXED="granitemoehybrid falcon_h1 qwen3_next" (446 s): every case timed out at the deadline (the baseline
+# engine compiled ~200 s cold, then the speculative one had ~170 s); the two engines of a case now start side by
+# side. LESSON: with under ~1000 s of device time left no pair stage fits; `mixed` needs its full 560 s cold.
+# Next stay: the plan above (parts, `install`, `mixed`, `parts train keep`, `matrix keep`, the profiles).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 OUT="${OUT:-/tmp/out}"

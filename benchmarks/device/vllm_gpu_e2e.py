@@ -235,9 +235,14 @@ def mixed_case(arch, model, prompts) -> dict:
     kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=blocks, block_size=16,
               max_model_len=max_len, max_num_seqs=seqs, dtype=dtype)
     k = 10 if bf16 else None
-    base = run(model, [engine_run.mixed_job(_mixed_requests(prompts, False), 64, logprobs=k, rescore=k)], **kw)
-    ours = run(model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64, logprobs=k)],
-               spec_cfg=spec("draft_model", model), **kw)
+    # side by side: on a cold machine each engine compiles for ~200 s (2abfaae, H100), and one after the other
+    # the second ran out of a 380 s deadline for all three hybrids
+    with ThreadPoolExecutor(2) as pool:
+        base_f = pool.submit(run, model, [engine_run.mixed_job(_mixed_requests(prompts, False), 64, logprobs=k,
+                                                               rescore=k)], **kw)
+        ours_f = pool.submit(run, model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64, logprobs=k)],
+                             spec_cfg=spec("draft_model", model), **kw)
+        base, ours = base_f.result(), ours_f.result()
     if "error" in base or "error" in ours:
         return dict(arch=arch, dtype=dtype, ok=False, error=base.get("error") or ours.get("error"))
     b, o = base["jobs"][0]["outputs"], ours["jobs"][0]["outputs"]
