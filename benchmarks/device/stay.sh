@@ -226,9 +226,17 @@
 # MIXED="granitemoehybrid falcon_h1 qwen3_next" (446 s): every case timed out at the deadline (the baseline
 # engine compiled ~200 s cold, then the speculative one had ~170 s); the two engines of a case now start side by
 # side. LESSON: with under ~1000 s of device time left no pair stage fits; `mixed` needs its full 560 s cold.
-# Next stay: the plan above (parts, `install`, `mixed`, `parts train keep`, `matrix keep`, the profiles).
+# Added after it: compile caches between stays (`cachesave`, see below; never run yet). Next stay: parts p00..p02,
+# `install` (p03 + install.sh; unpacks .pair/cache when a run carried it), `mixed cachesave` (MIXED as planned), `parts
+# train keep`, `matrix keep`, `cachesave` alone (the pair's engines' kernels too; more pieces than 3: CACHE_KEEP="03
+# 04 05" in a further run), the profiles. The stay after it: a `parts` run with .pair/cache before `install`; the
+# rows' `engine_start_s` against this stay's (~210 s for four engines side by side) say what the caches save.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
+# every compile cache of the stay's engines under /tmp/gc (vLLM's torch.compile / AOT artifacts with Inductor's
+# inside, and Triton's: vLLM keeps a caller's TRITON_CACHE_DIR), so that `cachesave` can bring them home and a
+# later stay start warm (`parts` with .pair/cache, then `install` unpacks them)
+export TRITON_CACHE_DIR=/tmp/gc/triton VLLM_CACHE_ROOT=/tmp/gc/vllm
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 
@@ -244,7 +252,34 @@ stage_parts() {  # whatever this run carried: bundle parts to /tmp/ch, pair data
     cp -r .pair/data/. /tmp/pd/ 2>/dev/null
     cp -r .pair/tiny/. /tmp/tiny/ 2>/dev/null
     cp .pair/weights/pair.* /tmp/pw/ 2>/dev/null
-    ls /tmp/ch /tmp/pd /tmp/tiny /tmp/pw
+    mkdir -p /tmp/gcp && cp .pair/cache/cache.* /tmp/gcp/ 2>/dev/null
+    ls /tmp/ch /tmp/pd /tmp/tiny /tmp/pw /tmp/gcp
+}
+
+# Compile caches between stays. On a cold machine each engine start compiled for 120-220 s (torch.compile of the
+# model, vLLM's Triton kernels, the tree kernels: 1-25 s each), which is most of `mixed` and a third of `matrix`
+# (2abfaae: the mixed cases ran out of their 380 s compiling). `cachesave` after the stages that started every
+# engine kind packs /tmp/gc (xz, 16 MB pieces, pieces CACHE_KEEP, default "00 01 02", with cache.sha256) into $OUT;
+# on the CPU machine `mkdir -p .pair/cache && cp /work/.device/*/cache.* .pair/cache/ && (cd .pair/cache &&
+# sha256sum -c cache.sha256)`; the next stay carries them with `parts` (a piece and the repository fit beside one
+# bundle part only when the part is gone: their own run, 3 pieces each) and `install` unpacks them when complete.
+# Stale entries cost nothing: Triton keys a kernel by its source, vLLM its artifacts by config and traced sources.
+stage_cachesave() {
+    rm -rf /tmp/gc_keep && mkdir -p /tmp/gc_keep /tmp/gc
+    tar -C /tmp/gc -cf - . | xz -T0 -6 | split -b 16000000 -d -a 2 - /tmp/gc_keep/cache.txz.
+    (cd /tmp/gc_keep && sha256sum cache.txz.* > cache.sha256)
+    du -sh /tmp/gc/* 2>/dev/null; ls -l /tmp/gc_keep
+    cp /tmp/gc_keep/cache.sha256 "$OUT/"
+    for i in ${CACHE_KEEP:-00 01 02}; do cp "/tmp/gc_keep/cache.txz.$i" "$OUT/" 2>/dev/null || true; done
+}
+
+cache_unpack() {  # the carried compile caches (/tmp/gcp) into /tmp/gc, when every piece is there and intact
+    [ -f /tmp/gcp/cache.sha256 ] || return 0
+    if (cd /tmp/gcp && sha256sum -c --quiet cache.sha256); then
+        mkdir -p /tmp/gc && cat /tmp/gcp/cache.txz.* | xz -d | tar -C /tmp/gc -xf - && du -sh /tmp/gc
+    else
+        echo "compile caches incomplete: starting cold"
+    fi
 }
 
 # Keeping the trained pair instead of training it in every stay (train 276 s of a stay's 1800; the pair then
@@ -272,6 +307,7 @@ stage_unpack() {  # the kept pair's pieces, all carried (`parts`), to /tmp/pair
 
 stage_install() {
     stage_parts
+    cache_unpack
     bash .vllm-gpu/install.sh > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
     sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:/' /tmp/site/vllm/vllm_flash_attn/__init__.py
     project
