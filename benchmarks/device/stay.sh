@@ -1,4 +1,22 @@
 #!/usr/bin/env bash
+# THE NEXT STAY, run by run (each within 30 s of the last; BOLE_COMMIT=<full sha of HEAD>: a run's own `git`
+# sees an older commit; the history and its reasons follow below):
+#   1  carry .vllm-gpu/p00                      parts
+#   2  carry .vllm-gpu/p01                      parts
+#   3  carry .vllm-gpu/p02                      parts
+#   (3b carry .pair/cache, when a stay brought caches home: parts)
+#   4  carry .vllm-gpu/p03 .vllm-gpu/install.sh  MIXED="granitemoehybrid falcon_h1 qwen3_next" install mixed cachesave
+#      (~560 s cold: with less than ~650 s of device time left, skip it)
+#   5  carry .pair/data .pair/tiny              TRAIN_MODELS="nemotron_h draft distill" KEEP="00 01 02 03" parts train keep
+#   6                                           PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
+#      bole_tree/draft_model/async bole_tree/draft_model vllm_chain/draft_model" KEEP="04 05 06 07" matrix keep
+#   7                                           cachesave (CACHE_KEEP="03 04 05" in one more run if it made more pieces)
+#   8                                           TREE_GRAPHS=1 PROFILE_BATCHES=32 PROFILE_WAVES=2 profile
+#   9                                           PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile
+#  10                                           ONLINE_MODES="ar bole_tree bole_async" online
+# At home: `mkdir -p .pair/weights .pair/cache`, the pieces in (sha256sum -c), the JSON committed unedited (older
+# files renamed with their commit), `python benchmarks/bench_e2e.py --plot benchmarks/results`, README status.
+#
 # One warm stay on the H200: every stage below is ONE device run (at most 10 minutes), and each run
 # must start within 30 s of the last (the machine keeps /tmp only while warm). On the CPU machine
 # first: `bash ../shared/tools/vllm-gpu/build.sh .vllm-gpu` without FlashAttention 3 (three parts:
