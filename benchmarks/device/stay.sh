@@ -5,8 +5,9 @@
 #   2  carry .vllm-gpu/p01                      parts
 #   3  carry .vllm-gpu/p02                      parts
 #   (3b carry .pair/cache, when a stay brought caches home: parts)
-#   4  carry .vllm-gpu/p03 .vllm-gpu/install.sh  MIXED="granitemoehybrid falcon_h1 qwen3_next" install mixed cachesave
-#      (~560 s cold: with less than ~650 s of device time left, skip it)
+#   4  carry .vllm-gpu/p03 .vllm-gpu/install.sh  install                                  (~70 s)
+#  4b                                           MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed cachesave
+#      (up to 560 s cold: with less than ~650 s of device time left, skip it; a run's limit is 600 s)
 #   5  carry .pair/data .pair/tiny              TRAIN_MODELS="nemotron_h draft distill" KEEP="00 01 02 03" parts train keep
 #   6                                           PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
 #      bole_tree/draft_model/async bole_tree/draft_model vllm_chain/draft_model" KEEP="04 05 06 07" matrix keep
