@@ -37,7 +37,7 @@ import pytest
 
 from engines import (BUDGET, CONSTRAINED, DEPTH, MAX_TOKENS, NGRAM_ARCHS, NUM_SAMPLES, PROMPTS, SAMPLE_TOKENS, SAMPLED,
                      logprobs_k, spec_config)
-from vllm_bole.adapter.tree_step import PHASES, STEP_KINDS
+from vllm_bole.adapter.tree_step import HOST_PHASES, PHASES, STEP_KINDS
 from vllm_bole.testing import adapter_checks, engine_run, serve_run
 from vllm_bole.testing.lossless import compare_greedy
 from vllm_bole.testing.stats import sample_homogeneity
@@ -428,6 +428,9 @@ def test_tree_graph_steps_leave_outputs_unchanged(engines, models, arch, drafter
     log = st["step_log"]  # one record per timed step: its kind, size, wall and parts
     assert len(log) == st["step_log_total"] == sum(timed.values()) and {r[0] for r in log} == {k for k in timed if timed[k]}
     assert all(len(r) == 4 + len(PHASES) and r[3] > 0 for r in log), log[:3]
+    host = [PHASES.index(p) for p in HOST_PHASES]  # the host's parts tile each step's wall time
+    for r in log:
+        assert sum(r[4 + i] for i in host) == pytest.approx(r[3], abs=0.01), r
     if arch == "llama":
         assert st["chained_drafts"] == st["tree_steps"] and st["accepted"] > 0, (st["chained_drafts"], st["accepted"])
 

@@ -79,7 +79,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_bole.adapter.tree_step import STEP_KINDS, by_kind_keys
+    from vllm_bole.adapter.tree_step import PHASES, STEP_KINDS, by_kind_keys
     from vllm_bole.testing.engine_run import stats_delta
 
     gpu = torch.cuda.is_available()
@@ -127,11 +127,10 @@ def main() -> None:
             prof.enable()
             llm.generate(prompts, sp, use_tqdm=False)
             prof.disable()
-            counted = ("steps", "tree_steps", "graph_tree_steps", "draft_s", "verify_commit_s", "prepare_s", "forward_s",
-                       "accepted", "verified_requests", "drafted_nodes", "split_tree_steps", "split_piecewise_steps",
-                       "chained_drafts", "plain_drafts", "plain_draft_s", "settled_steps", "settle_s",
-                       "plain_decode_steps") + tuple(f"timed_{k}_steps{u}" for k in STEP_KINDS for u in ("", "_s")) \
-                + by_kind_keys()
+            counted = ("steps", "tree_steps", "graph_tree_steps", "accepted", "verified_requests", "drafted_nodes",
+                       "split_tree_steps", "split_piecewise_steps", "chained_drafts", "plain_drafts", "plain_draft_s",
+                       "settled_steps", "plain_decode_steps") + PHASES \
+                + tuple(f"timed_{k}_steps{u}" for k in STEP_KINDS for u in ("", "_s")) + by_kind_keys()
             delta = stats_delta(stats0, st)
             row["bole_stats"] = {k: delta[k] for k in counted if k in delta}
             row["step_log"] = delta["step_log"]  # the timed pass's steps, each with its parts

@@ -250,6 +250,10 @@
 # train keep`, `matrix keep`, `cachesave` alone (the pair's engines' kernels too; more pieces than 3: CACHE_KEEP="03
 # 04 05" in a further run), the profiles. The stay after it: a `parts` run with .pair/cache before `install`; the
 # rows' `engine_start_s` against this stay's (~210 s for four engines side by side) say what the caches save.
+# Also new (CPU-tested): every step's host timeline (`tree_step.HOST_PHASES`: prepare, forward_host, between, sample,
+# engine, update; they tile the step's wall time) in the rows' `phase_ms_by_kind` / `step_spread` and in `profile`:
+# read `phase_ms_by_kind["mixed"]` against `["trees"]` first: which of them holds the ~22 ms a mixed step at c = 128
+# spent outside every earlier counter.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 BOLE_COMMIT="${BOLE_COMMIT:-unknown}"
 # every compile cache of the stay's engines under /tmp/gc (vLLM's torch.compile / AOT artifacts with Inductor's

@@ -176,10 +176,9 @@ class TreeRunnerMixin:
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, split_piecewise_steps=0,
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
-                                chained_drafts=0, accepted=0, verified_requests=0, draft_s=0.0, propose_s=0.0,
+                                chained_drafts=0, accepted=0, verified_requests=0, propose_s=0.0,
                                 plain_drafts=0, plain_draft_s=0.0,
-                                verify_commit_s=0.0, finish_s=0.0, settle_s=0.0, settled_steps=0, prepare_s=0.0,
-                                prepare_vllm_s=0.0, forward_s=0.0,
+                                settled_steps=0, **dict.fromkeys(PHASES, 0.0),
                                 **{f"timed_{k}_steps{u}": z for k in STEP_KINDS for u, z in (("", 0), ("_s", 0.0))},
                                 **{k: 0 if k.endswith("_steps") else 0.0 for k in by_kind_keys()})
         # the engine step under way: its kind (STEP_KINDS), when its input preparation began; when the last one's
@@ -187,6 +186,9 @@ class TreeRunnerMixin:
         self._bole_step_kind: str | None = None
         self._bole_last_kind: str | None = None  # the kind of the step before it
         self._bole_step_t = self._bole_step_end = 0.0
+        # the host timeline's marks (tree_step.HOST_PHASES): execute_model's entry, input preparation's end,
+        # execute_model's end (0: not this step)
+        self._bole_exec_t = self._bole_prep_end = self._bole_exec_end = 0.0
         self._bole_forward_timer: _ForwardTimer | None = None
         # the latest records, each log with its count of records ever appended (``{name}_total``): accept_log
         # (request, drafted first-child chain length, accepted draft nodes) per tree; slow_steps (below); step_log
@@ -402,13 +404,22 @@ class TreeRunnerMixin:
         return emptied
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        self._bole_exec_t = t0 = time.perf_counter()
+        if self._bole_step_end and t0 - self._bole_step_end <= IDLE_GAP_S:  # the engine's work since sample_tokens
+            self._bole_timed("engine_s", t0 - self._bole_step_end)
+        self._bole_prep_end = 0.0
         if self._bole_async and scheduler_output.scheduled_spec_decode_tokens:
             # a copy whose booked drafts _bole_trim_drafts cuts to the trees (the scheduler keeps its own, as vLLM
             # copies it for its GPU n-gram drafter)
             scheduler_output = dataclasses.replace(
                 scheduler_output, num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
                 scheduled_spec_decode_tokens=dict(scheduler_output.scheduled_spec_decode_tokens))
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            self._bole_exec_end = time.perf_counter()
+            if self._bole_prep_end:  # a step with inputs (vLLM returns early from one without tokens)
+                self._bole_timed("forward_host_s", self._bole_exec_end - self._bole_prep_end)
 
     def _bole_settle(self, scheduler_output) -> bool:
         """Async scheduling: the last step's results applied on the host before this step's inputs are laid
@@ -496,11 +507,14 @@ class TreeRunnerMixin:
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         t0 = time.perf_counter()
+        if self._bole_step_kind is not None:  # the last step's interval: the bookkeeping before this step's inputs
+            self._bole_timed("update_s", t0 - self._bole_exec_t)
         self._bole_time_step(t0)
         try:
             return self._bole_prepare_inputs(scheduler_output, num_scheduled_tokens)
         finally:
-            self._bole_timed("prepare_s", time.perf_counter() - t0)
+            self._bole_prep_end = time.perf_counter()
+            self._bole_timed("prepare_s", self._bole_prep_end - t0)
 
     def _bole_time_step(self, now: float) -> None:
         """The previous engine step's wall time, from its input preparation to this one's (the engine's
@@ -803,6 +817,10 @@ class TreeRunnerMixin:
         return {k: n - last.get(k, 0) for k, n in variants.items() if n > last.get(k, 0)}
 
     def sample_tokens(self, grammar_output):
+        t0 = time.perf_counter()
+        if self._bole_exec_end:
+            self._bole_timed("between_s", t0 - self._bole_exec_end)
+            self._bole_exec_end = 0.0
         state = getattr(self, "execute_model_state", None)
         out = super().sample_tokens(grammar_output)
         if self._bole_async:  # drafted at the next step's settle, unless launched behind the verification
@@ -813,6 +831,7 @@ class TreeRunnerMixin:
             self._bole_propose(state.sample_hidden_states)
         self._bole_launched = False
         self._bole_step_end = time.perf_counter()
+        self._bole_timed("sample_s", self._bole_step_end - t0)
         return out
 
     def take_draft_token_ids(self):
@@ -831,7 +850,8 @@ class TreeRunnerMixin:
         own, the rest building trees), ``prepare_s`` input preparation per step (host; ``prepare_vllm_s``
         of it vLLM's own), ``forward_s`` the target forward of tree steps (device time on CUDA),
         ``verify_commit_s`` per tree step (host, until the results are queued), ``finish_s`` the tree
-        step's sampler output after that (results to the host, counters)) and the per-step log of
+        step's sampler output after that (results to the host, counters); the host's timeline of each step,
+        ``tree_step.HOST_PHASES``, which tiles its wall time) and the per-step log of
         (request, drafted greedy-chain length, accepted draft nodes); ``step_log``: per timed engine step [kind,
         requests, tree tokens, wall ms, ms of each of ``tree_step.PHASES``]; each log's ``{name}_total``: its records
         ever appended (the latest :data:`LOGS` are kept); ``slow_steps``: the tree steps whose

@@ -21,8 +21,24 @@ from vllm_bole.spec_decode.tree import TreeBatch
 # right after a step without trees (the draft catching up on the tokens it has not seen: a prompt, plain decoding)
 STEP_KINDS = ("trees", "mixed", "plain", "catchup")
 # the parts of a step the runner times (seconds), each also per step kind: ``by_kind_{kind}_{phase}``, beside
-# ``by_kind_{kind}_steps`` (every step of that kind, idle or not: the per-step mean's denominator)
-PHASES = ("prepare_s", "prepare_vllm_s", "draft_s", "forward_s", "verify_commit_s", "finish_s", "settle_s")
+# ``by_kind_{kind}_steps`` (every step of that kind, idle or not: the per-step mean's denominator). Two sets:
+# * the parts of our own and vLLM's work that matter to the tree step: input preparation (``prepare_vllm_s``:
+#   vLLM's share of it), drafting (launch and read), the target forward (device time, CUDA events), verification
+#   and commit, finishing, the async settle;
+# * HOST_PHASES: the host's timeline of an engine step cut at the runner's entry points, which tile the step's
+#   wall time (from one input preparation to the next): ``prepare_s``; ``forward_host_s`` (input preparation's
+#   end to ``execute_model``'s: the forward's launches or graph replay, vLLM's work around it, any wait for the
+#   device there); ``between_s`` (``execute_model``'s end to ``sample_tokens``: the engine between them);
+#   ``sample_s`` (``sample_tokens``: vLLM's sampler and bookkeeping, our verification, commit, finishing and the
+#   next drafts' launch, any wait for the device there); ``engine_s`` (``sample_tokens``' end to the next
+#   ``execute_model``: the engine core's output processing and scheduling, and in a synchronous engine the
+#   drafts' read); ``update_s`` (``execute_model``'s entry to its input preparation: vLLM's request
+#   bookkeeping, the async settle). Decided so because the first set does not tile the step (the forward is
+#   device time, the engine's own work is in none of them): at ff6ad01 (H100, c = 128) a step with prompts beside
+#   trees took 41 ms of which the first set accounted for ~19.
+PHASES = ("prepare_s", "prepare_vllm_s", "draft_s", "forward_s", "verify_commit_s", "finish_s", "settle_s",
+          "forward_host_s", "between_s", "sample_s", "engine_s", "update_s")
+HOST_PHASES = ("prepare_s", "forward_host_s", "between_s", "sample_s", "engine_s", "update_s")
 
 
 def by_kind_keys() -> tuple[str, ...]:
