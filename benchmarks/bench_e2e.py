@@ -74,7 +74,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_bole.adapter.tree_step import PHASES, STEP_KINDS  # noqa: E402
+from vllm_bole.adapter.tree_step import HOST_PHASES, PHASES, STEP_KINDS  # noqa: E402
 from vllm_bole.testing import engine_run  # noqa: E402
 
 STORE = Path("/tmp/bole_bench")
@@ -455,11 +455,16 @@ def controller_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def _line(r: dict) -> str:
-    return (f"{r['mode']:10s} {r['drafter']:11s} b={r.get('budget')!s:5s} c={r.get('batch')!s:4s} "
+    """A row in one line, then per step kind its host timeline (ms a step, ``tree_step.HOST_PHASES``) on lines
+    of its own: a run's log tail answers where a kind's steps spend their time before its JSON is read."""
+    head = (f"{r['mode']:10s} {r['drafter']:11s} b={r.get('budget')!s:5s} c={r.get('batch')!s:4s} "
             f"{r.get('dataset', ''):9s} T={r.get('temperature', '')!s:4s} {r.get('tokens_per_s', 0):9.1f} tok/s "
             f"acc={r.get('accept_len') or 0:.2f} tpot={r.get('tpot_ms', 0):.2f}ms "
             + "".join(f"{k}={ms:.1f}ms/{r['steps_by_kind'][k]} " for k, ms in (r.get("step_ms_by_kind") or {}).items())
             + r.get("error", "")[-300:])
+    host = [p.removesuffix("_s") for p in HOST_PHASES]
+    return "\n".join([head] + [f"    {k:8s} " + " ".join(f"{p}={parts[p + '_ms']:.2f}" for p in host)
+                                for k, parts in (r.get("phase_ms_by_kind") or {}).items()])
 
 
 def _header(args) -> dict:

@@ -361,7 +361,7 @@ bench() {  # part, seconds; TREE_GRAPHS=1: our engines with tree steps from whol
     timeout $(($2 + 90)) python3 benchmarks/bench_e2e.py --part "$1" --pair /tmp/pair --data /tmp/pd --seconds "$2" \
         ${TREE_GRAPHS:+--tree-graphs} ${PARALLEL:+--parallel} ${RESUME:+--resume} ${TARGETS_ONLY:+--targets-only} ${BUDGETS:+--budgets "$BUDGETS"} ${CHAIN_K:+--chain-k "$CHAIN_K"} ${only[@]+"${only[@]}"} > "$OUT/e2e_$1.log" 2>&1
     cp /tmp/pair/train_pair.json "$OUT/" 2>/dev/null
-    tail -30 "$OUT/e2e_$1.log" | cut -c1-200
+    tail -60 "$OUT/e2e_$1.log" | cut -c1-200  # each row: a line, then a line per step kind (its host timeline)
 }
 
 stage_search() {  # the draft's best-first search: Triton kernel against its torch twin (equal, time), ~30 s
