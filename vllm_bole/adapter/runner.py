@@ -187,8 +187,9 @@ class TreeRunnerMixin:
         self._bole_last_kind: str | None = None  # the kind of the step before it
         self._bole_step_t = self._bole_step_end = 0.0
         # the host timeline's marks (tree_step.HOST_PHASES): execute_model's entry, input preparation's end,
-        # execute_model's end (0: not this step)
-        self._bole_exec_t = self._bole_prep_end = self._bole_exec_end = 0.0
+        # execute_model's end (0: not this step), where the engine's own work began (sample_tokens' end, or the end
+        # of an execute_model without inputs, which is the engine's too)
+        self._bole_exec_t = self._bole_prep_end = self._bole_exec_end = self._bole_engine_t = 0.0
         self._bole_forward_timer: _ForwardTimer | None = None
         # the latest records, each log with its count of records ever appended (``{name}_total``): accept_log
         # (request, drafted first-child chain length, accepted draft nodes) per tree; slow_steps (below); step_log
@@ -405,8 +406,9 @@ class TreeRunnerMixin:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._bole_exec_t = t0 = time.perf_counter()
-        if self._bole_step_end and t0 - self._bole_step_end <= IDLE_GAP_S:  # the engine's work since sample_tokens
-            self._bole_timed("engine_s", t0 - self._bole_step_end)
+        busy = self._bole_step_end and t0 - self._bole_step_end <= IDLE_GAP_S
+        if busy:  # the engine's work since sample_tokens
+            self._bole_timed("engine_s", t0 - self._bole_engine_t)
         self._bole_prep_end = 0.0
         if self._bole_async and scheduler_output.scheduled_spec_decode_tokens:
             # a copy whose booked drafts _bole_trim_drafts cuts to the trees (the scheduler keeps its own, as vLLM
@@ -418,8 +420,12 @@ class TreeRunnerMixin:
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
             self._bole_exec_end = time.perf_counter()
-            if self._bole_prep_end:  # a step with inputs (vLLM returns early from one without tokens)
+            if self._bole_prep_end:  # a step with inputs
                 self._bole_timed("forward_host_s", self._bole_exec_end - self._bole_prep_end)
+            else:  # none (vLLM returns early: finished requests to drop, every request waiting): the engine's work
+                if busy:
+                    self._bole_timed("engine_s", self._bole_exec_end - t0)
+                self._bole_engine_t = self._bole_exec_end
 
     def _bole_settle(self, scheduler_output) -> bool:
         """Async scheduling: the last step's results applied on the host before this step's inputs are laid
@@ -830,7 +836,7 @@ class TreeRunnerMixin:
         elif state is not None and not self._bole_launched:
             self._bole_propose(state.sample_hidden_states)
         self._bole_launched = False
-        self._bole_step_end = time.perf_counter()
+        self._bole_step_end = self._bole_engine_t = time.perf_counter()
         self._bole_timed("sample_s", self._bole_step_end - t0)
         return out
 

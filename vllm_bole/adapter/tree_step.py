@@ -31,8 +31,8 @@ STEP_KINDS = ("trees", "mixed", "plain", "catchup")
 #   device there); ``between_s`` (``execute_model``'s end to ``sample_tokens``: the engine between them);
 #   ``sample_s`` (``sample_tokens``: vLLM's sampler and bookkeeping, our verification, commit, finishing and the
 #   next drafts' launch, any wait for the device there); ``engine_s`` (``sample_tokens``' end to the next
-#   ``execute_model``: the engine core's output processing and scheduling, and in a synchronous engine the
-#   drafts' read); ``update_s`` (``execute_model``'s entry to its input preparation: vLLM's request
+#   ``execute_model`` with inputs, any without inputs between them included: the engine core's output processing
+#   and scheduling, and in a synchronous engine the drafts' read); ``update_s`` (``execute_model``'s entry to its input preparation: vLLM's request
 #   bookkeeping, the async settle). Decided so because the first set does not tile the step (the forward is
 #   device time, the engine's own work is in none of them): at ff6ad01 (H100, c = 128) a step with prompts beside
 #   trees took 41 ms of which the first set accounted for ~19.
