@@ -238,6 +238,11 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
     return row
 
 
+def _ms(phase: str) -> str:
+    """A timed part's key in the rows: ``draft_s`` -> ``draft_ms``."""
+    return phase.removesuffix("_s") + "_ms"
+
+
 def phase_ms_by_kind(stats: dict) -> dict:
     """{step kind: {phase: mean milliseconds per step of that kind}, with its ``steps``}: where a kind's steps
     spend their time (e.g. ``mixed`` against ``trees``: the prompt rows' forward, the draft's prefill)."""
@@ -245,8 +250,7 @@ def phase_ms_by_kind(stats: dict) -> dict:
     for k in STEP_KINDS:
         n = stats.get(f"by_kind_{k}_steps", 0)
         if n:
-            out[k] = dict(steps=n, **{p.removesuffix("_s") + "_ms": round(1000 * stats[f"by_kind_{k}_{p}"] / n, 4)
-                                      for p in PHASES})
+            out[k] = dict(steps=n, **{_ms(p): round(1000 * stats[f"by_kind_{k}_{p}"] / n, 4) for p in PHASES})
     return out
 
 
@@ -254,7 +258,7 @@ def step_spread(log: list) -> dict:
     """The runner's step log (timed engine steps: [kind, requests, tree tokens, wall ms, ms of each timed part])
     as, per step kind, its steps and [p50, p90, max] of the wall and of each part's milliseconds; ``slowest``:
     the five longest steps whole (are a kind's mean steps uniformly slow or a few outliers, and which part)."""
-    cols = ("wall_ms",) + tuple(p.removesuffix("_s") + "_ms" for p in PHASES)
+    cols = ("wall_ms",) + tuple(_ms(p) for p in PHASES)
     out = {}
     for k in STEP_KINDS:
         rows = np.array([r[3:] for r in log if r[0] == k], dtype=float).reshape(-1, len(cols))
@@ -462,8 +466,7 @@ def _line(r: dict) -> str:
             f"acc={r.get('accept_len') or 0:.2f} tpot={r.get('tpot_ms', 0):.2f}ms "
             + "".join(f"{k}={ms:.1f}ms/{r['steps_by_kind'][k]} " for k, ms in (r.get("step_ms_by_kind") or {}).items())
             + r.get("error", "")[-300:])
-    host = [p.removesuffix("_s") for p in HOST_PHASES]
-    return "\n".join([head] + [f"    {k:8s} " + " ".join(f"{p}={parts[p + '_ms']:.2f}" for p in host)
+    return "\n".join([head] + [f"    {k:8s} " + " ".join(f"{p.removesuffix('_s')}={parts[_ms(p)]:.2f}" for p in HOST_PHASES)
                                 for k, parts in (r.get("phase_ms_by_kind") or {}).items()])
 
 
