@@ -279,53 +279,61 @@ stage_parts() {  # whatever this run carried: bundle parts to /tmp/ch, pair data
     ls /tmp/ch /tmp/pd /tmp/tiny /tmp/pw /tmp/gcp
 }
 
-# Compile caches between stays. On a cold machine each engine start compiled for 120-220 s (torch.compile of the
-# model, vLLM's Triton kernels, the tree kernels: 1-25 s each), which is most of `mixed` and a third of `matrix`
-# (2abfaae: the mixed cases ran out of their 380 s compiling). `cachesave` after the stages that started every
-# engine kind packs /tmp/gc (xz, 16 MB pieces, pieces CACHE_KEEP, default "00 01 02", with cache.sha256) into $OUT;
-# on the CPU machine `mkdir -p .pair/cache && cp /work/.device/*/cache.* .pair/cache/ && (cd .pair/cache &&
-# sha256sum -c cache.sha256)`; the next stay carries them with `parts` (a piece and the repository fit beside one
-# bundle part only when the part is gone: their own run, 3 pieces each) and `install` unpacks them when complete.
-# Stale entries cost nothing: Triton keys a kernel by its source, vLLM its artifacts by config and traced sources.
-stage_cachesave() {
-    rm -rf /tmp/gc_keep && mkdir -p /tmp/gc_keep /tmp/gc
-    tar -C /tmp/gc -cf - . | xz -T0 -6 | split -b 16000000 -d -a 2 - /tmp/gc_keep/cache.txz.
-    (cd /tmp/gc_keep && sha256sum cache.txz.* > cache.sha256)
-    du -sh /tmp/gc/* 2>/dev/null; ls -l /tmp/gc_keep
-    cp /tmp/gc_keep/cache.sha256 "$OUT/"
-    for i in ${CACHE_KEEP:-00 01 02}; do cp "/tmp/gc_keep/cache.txz.$i" "$OUT/" 2>/dev/null || true; done
-}
-
-cache_unpack() {  # the carried compile caches (/tmp/gcp) into /tmp/gc, when every piece is there and intact
-    [ -f /tmp/gcp/cache.sha256 ] || return 0
-    if (cd /tmp/gcp && sha256sum -c --quiet cache.sha256); then
-        mkdir -p /tmp/gc && cat /tmp/gcp/cache.txz.* | xz -d | tar -C /tmp/gc -xf - && du -sh /tmp/gc
-    else
-        echo "compile caches incomplete: starting cold"
-    fi
-}
-
 # Keeping the trained pair instead of training it in every stay (train 276 s of a stay's 1800; the pair then
 # also stays the same between stays): after `train`, `KEEP="00 01 02" stay.sh ... keep` puts those pieces
 # (xz-compressed tar of /tmp/pair's target, draft and train_pair.json, 16 MB each, with pair.sha256) into
 # $OUT, at most 3 a run beside a stage's own files (8 files and 64 MiB come back per run). On the CPU machine:
 # `mkdir -p .pair/weights && cp /work/.device/*/pair.* .pair/weights/ && (cd .pair/weights && sha256sum -c
 # pair.sha256)`. A later stay carries them (3 pieces a run beside the repository, `parts`), then `unpack`.
+# Pieces (the kept pair, the compile caches): NAME's tar of PATHs under DIR, xz at LEVEL, cut in 16 MB pieces
+# /tmp/NAME_keep/NAME.txz.NN with NAME.sha256 (packed once a machine: remove the folder to pack again).
+pack_pieces() {  # DIR NAME LEVEL PATH...
+    local dir=$1 name=$2 level=$3 keep=/tmp/$2_keep
+    shift 3
+    [ -f "$keep/$name.sha256" ] && return 0
+    mkdir -p "$keep"
+    tar -C "$dir" -cf - "$@" | xz -T0 "-$level" | split -b 16000000 -d -a 2 - "$keep/$name.txz."
+    (cd "$keep" && sha256sum "$name".txz.* > "$name.sha256")
+}
+
+send_pieces() {  # NAME WHICH: its sha256 and the pieces WHICH ("00 01 ...", each must exist) into $OUT
+    local keep=/tmp/$1_keep
+    cp "$keep/$1.sha256" "$OUT/"
+    for i in $2; do cp "$keep/$1.txz.$i" "$OUT/" || return 1; done
+    cat "$keep/$1.sha256"
+}
+
+unpack_pieces() {  # SRC NAME DEST: NAME's pieces carried to SRC, when every one is there and intact, into DEST
+    (cd "$1" && sha256sum -c --quiet "$2.sha256") && mkdir -p "$3" && cat "$1/$2".txz.* | xz -d | tar -C "$3" -xf -
+}
+
 stage_keep() {
-    if [ ! -f /tmp/pair_keep/pair.sha256 ]; then
-        mkdir -p /tmp/pair_keep
-        tar -C /tmp/pair -cf - nemotron_h draft train_pair.json | xz -T0 -1 \
-            | split -b 16000000 -d -a 2 - /tmp/pair_keep/pair.txz.
-        (cd /tmp/pair_keep && sha256sum pair.txz.* > pair.sha256)
-    fi
-    cp /tmp/pair_keep/pair.sha256 "$OUT/"
-    for i in ${KEEP:-}; do cp "/tmp/pair_keep/pair.txz.$i" "$OUT/"; done
-    cat /tmp/pair_keep/pair.sha256
+    pack_pieces /tmp/pair pair 1 nemotron_h draft train_pair.json && send_pieces pair "${KEEP:-}"
 }
 
 stage_unpack() {  # the kept pair's pieces, all carried (`parts`), to /tmp/pair
-    (cd /tmp/pw && sha256sum -c --quiet pair.sha256) || { echo "pieces missing or damaged"; return 1; }
-    mkdir -p /tmp/pair && cat /tmp/pw/pair.txz.* | xz -d | tar -C /tmp/pair -xf - && ls /tmp/pair
+    unpack_pieces /tmp/pw pair /tmp/pair || { echo "pieces missing or damaged"; return 1; }
+    ls /tmp/pair
+}
+
+# Compile caches between stays. On a cold machine each engine start compiled for 120-220 s (torch.compile of the
+# model, vLLM's Triton kernels, the tree kernels: 1-25 s each), which is most of `mixed` and a third of `matrix`
+# (2abfaae: the mixed cases ran out of their 380 s compiling). `cachesave` after the stages that started every
+# engine kind packs /tmp/gc (xz, 16 MB pieces, pieces CACHE_KEEP, default the first three, with cache.sha256) into $OUT;
+# on the CPU machine `mkdir -p .pair/cache && cp /work/.device/*/cache.* .pair/cache/ && (cd .pair/cache &&
+# sha256sum -c cache.sha256)`; the next stay carries them with `parts` (a piece and the repository fit beside one
+# bundle part only when the part is gone: their own run, 3 pieces each) and `install` unpacks them when complete.
+# Stale entries cost nothing: Triton keys a kernel by its source, vLLM its artifacts by config and traced sources.
+stage_cachesave() {  # packed again unless CACHE_KEEP names pieces (the rest of the last pack: its sha256 holds)
+    [ -n "${CACHE_KEEP:-}" ] || rm -rf /tmp/cache_keep
+    mkdir -p /tmp/gc && pack_pieces /tmp/gc cache 6 . || return 1
+    du -sh /tmp/gc/* 2>/dev/null; ls -l /tmp/cache_keep
+    send_pieces cache "${CACHE_KEEP:-$(cd /tmp/cache_keep && ls cache.txz.* | head -3 | sed 's/^cache\.txz\.//')}"
+}
+
+cache_unpack() {  # the carried compile caches (/tmp/gcp) into /tmp/gc, when every piece is there and intact
+    [ -f /tmp/gcp/cache.sha256 ] || return 0
+    if unpack_pieces /tmp/gcp cache /tmp/gc; then du -sh /tmp/gc; else echo "compile caches incomplete: starting cold"; fi
 }
 
 stage_install() {
