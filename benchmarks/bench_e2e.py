@@ -48,8 +48,9 @@ engine steps), ``step_ms_by_kind`` / ``steps_by_kind`` (engine steps of trees
 alone, of trees beside prompt rows (``mixed``), without trees (``plain``) and of trees right after a step
 without trees (``catchup``: the draft catching up on a prompt or on plain decoding): their mean wall time and
 count; where a cell's steps differ from its steady state), ``phase_ms_by_kind`` (per step kind its steps and the
-mean milliseconds per step of each timed part: ``prepare``, ``prepare_vllm``, ``draft``, ``forward``,
-``verify_commit``, ``finish``, ``settle``), ``step_spread`` (the same per timed step: [p50, p90, max] of its wall
+mean milliseconds per step of each timed part, ``tree_step.PHASES``: ``prepare``, ``prepare_vllm``, ``draft``,
+``forward``, ``verify_commit``, ``finish``, ``settle``, and the host's timeline that tiles the step: ``prepare``,
+``forward_host``, ``between``, ``sample``, ``engine``, ``update``), ``step_spread`` (the same per timed step: [p50, p90, max] of its wall
 and parts' milliseconds per kind, and the five slowest steps whole), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
 after a step without trees, the draft catching up: count and mean milliseconds), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
 cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
