@@ -433,25 +433,29 @@ stage_noise() {  # the pair's bf16 trees and vLLM's chain against AR's own noise
     tail -4 "$OUT/pair_noise.log" | cut -c1-300
 }
 
-stage_tinyprof() {  # host profile of the tree step at batch 1 and 32 (tiny bf16 NemotronH, tiny Llama paged draft)
-    project
-    for b in 1 32; do
-        timeout 200 python3 benchmarks/device/profile_step.py --model /tmp/tiny/nemotron_h --draft /tmp/tiny/llama \
-            --dtype bfloat16 --batch $b --out "$OUT/tinyprof_b$b" > "$OUT/tinyprof_b$b.log" 2>&1
-        tail -8 "$OUT/tinyprof_b$b.log" | cut -c1-160
-    done
+stage_tinyprof() {  # host profile of the tree step on tiny checkpoints (bf16 NemotronH, the tiny Llama paged draft):
+    # nothing to train, the GPU's work small, so the host's share shows (PROFILE_BATCHES, PROFILE_WAVES, TREE_GRAPHS as
+    # in `profile`; PROFILE_WAVES=2: the mixed steps' host timeline against the tree steps')
+    profile_loop /tmp/tiny/nemotron_h /tmp/tiny/llama tinyprof 270 --dtype bfloat16
 }
 
+profile_loop() {  # MODEL DRAFT NAME SECONDS [ARGS]: profile_step.py per batch of PROFILE_BATCHES (default "1 32"), budget
+    # PROFILE_BUDGET (8), PROFILE_WAVES (1), tree steps from whole CUDA graphs with TREE_GRAPHS=1
+    local model=$1 draft=$2 name=$3 t=$4
+    shift 4
+    project
+    for b in ${PROFILE_BATCHES:-1 32}; do
+        VLLM_BOLE_TREE_GRAPHS=${TREE_GRAPHS:-0} timeout "$t" python3 benchmarks/device/profile_step.py --model "$model" \
+            --draft "$draft" --batch $b --budget "${PROFILE_BUDGET:-8}" --waves "${PROFILE_WAVES:-1}" "$@" \
+            --out "$OUT/${name}_b$b" > "$OUT/${name}_b$b.log" 2>&1
+        tail -12 "$OUT/${name}_b$b.log" | cut -c1-160
+    done
+}
 stage_profile() {  # one engine in-process, cProfile over a tree run against AR: the pair's draft on its target
     # (TREE_GRAPHS=1: tree steps from whole CUDA graphs, as the e2e rows ran at 198194b; PROFILE_BATCHES, default "1 32";
     # PROFILE_BUDGET=auto: the controller and its switch, whose c = 1 MT-Bench cell lost 30% to budget 16 at ff6ad01;
     # PROFILE_WAVES=2: requests refilled, prompts beside trees: the mixed steps, 52-75% of the c >= 32 cells' time there)
-    project
-    for b in ${PROFILE_BATCHES:-1 32}; do
-        VLLM_BOLE_TREE_GRAPHS=${TREE_GRAPHS:-0} timeout 270 python3 benchmarks/device/profile_step.py --model /tmp/pair/nemotron_h --draft /tmp/pair/draft \
-            --batch $b --budget "${PROFILE_BUDGET:-8}" --waves "${PROFILE_WAVES:-1}" --out "$OUT/profile_b$b" > "$OUT/profile_b$b.log" 2>&1
-        tail -12 "$OUT/profile_b$b.log" | cut -c1-160
-    done
+    profile_loop /tmp/pair/nemotron_h /tmp/pair/draft profile 270
 }
 
 stage_async() {  # issue 15: AR, the trees and the trees under vLLM's async scheduling in one process, the pair at
