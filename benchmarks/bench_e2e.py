@@ -467,8 +467,13 @@ def _line(r: dict) -> str:
             f"acc={r.get('accept_len') or 0:.2f} tpot={r.get('tpot_ms', 0):.2f}ms "
             + "".join(f"{k}={ms:.1f}ms/{r['steps_by_kind'][k]} " for k, ms in (r.get("step_ms_by_kind") or {}).items())
             + r.get("error", "")[-300:])
-    return "\n".join([head] + [f"    {k:8s} " + " ".join(f"{p.removesuffix('_s')}={parts[_ms(p)]:.2f}" for p in HOST_PHASES)
-                                for k, parts in (r.get("phase_ms_by_kind") or {}).items()])
+    return "\n".join([head] + host_lines(r.get("phase_ms_by_kind")))
+
+
+def host_lines(by_kind: dict | None) -> list[str]:
+    """Per step kind of :func:`phase_ms_by_kind` its host timeline in one line (ms a step, ``HOST_PHASES``)."""
+    return [f"    {k:8s} n={parts['steps']} " + " ".join(f"{p.removesuffix('_s')}={parts[_ms(p)]:.2f}" for p in HOST_PHASES)
+            for k, parts in (by_kind or {}).items()]
 
 
 def _header(args) -> dict:

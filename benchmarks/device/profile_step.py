@@ -4,7 +4,8 @@
 kernel launches, top kernels) and, for the tree run, once under cProfile. Writes ``profile_step.json``:
 per mode seconds, tokens/s, steps; the tree run's ``bole_stats`` (drafting and verification seconds, also per step
 kind) and ``step_log`` (its timed pass's engine steps: kind, requests, tree tokens, wall ms, ms of each timed
-part: ``tree_step.PHASES``); the profile's top
+part: ``tree_step.PHASES``), summed as bench_e2e's rows sum them (``phase_ms_by_kind``, ``step_spread``; the log ends
+with each step kind's host timeline); the profile's top
 functions by cumulative and by own time, and every ``vllm_bole`` function.
 
     python benchmarks/device/profile_step.py --model DIR [--draft DIR] [--budget 8] [--batch 1] --out DIR
@@ -19,6 +20,7 @@ import cProfile
 import json
 import os
 import pstats
+import sys
 import time
 from pathlib import Path
 
@@ -82,6 +84,9 @@ def main() -> None:
     from vllm_bole.adapter.tree_step import PHASES, STEP_KINDS, by_kind_keys
     from vllm_bole.testing.engine_run import stats_delta
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench_e2e import host_lines, phase_ms_by_kind, step_spread
+
     gpu = torch.cuda.is_available()
     budget = args.budget if args.budget == "auto" else int(args.budget)
     spec = dict(method="bole_tree", num_speculative_tokens=budget if budget != "auto" else 16, budget=budget,
@@ -134,6 +139,8 @@ def main() -> None:
             delta = stats_delta(stats0, st)
             row["bole_stats"] = {k: delta[k] for k in counted if k in delta}
             row["step_log"] = delta["step_log"]  # the timed pass's steps, each with its parts
+            row["phase_ms_by_kind"] = phase_ms_by_kind(delta)
+            row["step_spread"] = step_spread(delta["step_log"])
             row["tokens_per_tree_step"] = round(n / max(row["bole_stats"]["verified_requests"], 1), 3)
             ps = pstats.Stats(prof)
             row["top_cumulative"] = _rows(ps, "cum_s", 60)
@@ -165,6 +172,9 @@ def main() -> None:
                   f"tokens/tree step {r['tokens_per_tree_step']}, stats {r['bole_stats']}")
     for r in (t or {}).get("vllm_bole", [])[:30]:
         print(f"{r['cum_s']:9.4f} {r['own_s']:9.4f} {r['calls']:7d}  {r['function']}")
+    for m in ("bole_tree", "bole_async"):  # last: the log's tail shows where each kind of step spends its time
+        if m in result["modes"]:
+            print(f"{m} host timeline, ms a step:\n" + "\n".join(host_lines(result["modes"][m]["phase_ms_by_kind"])))
 
 
 if __name__ == "__main__":
