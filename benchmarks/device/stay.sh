@@ -15,6 +15,8 @@
 #   8                                           TREE_GRAPHS=1 PROFILE_BATCHES=32 PROFILE_WAVES=2 profile
 #   9                                           PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile
 #  10                                           ONLINE_MODES="ar bole_tree bole_async" online
+# A short stay (under ~1100 s: no pair fits): 1-4 as above, then `parts tinyprof` carrying .pair/tiny with TREE_GRAPHS=1
+# PROFILE_BATCHES=32 PROFILE_WAVES=2 (the mixed steps' host timeline against the tree steps', tiny checkpoints), then 4b.
 # At home: `mkdir -p .pair/weights .pair/cache`, the pieces in (sha256sum -c), the JSON committed unedited (older
 # files renamed with their commit), `python benchmarks/bench_e2e.py --plot benchmarks/results`, README status.
 #
