@@ -104,7 +104,7 @@ def main() -> None:
                                                                               ignore_eos=True)
     result = dict(model=args.model, draft=args.draft, budget=budget, depth=args.depth, batch=args.batch, waves=args.waves,
                   dtype=dtype, tokens=args.tokens, eager=args.eager, device=torch.cuda.get_device_name() if gpu else "cpu",
-                  modes={})
+                  commit=os.environ.get("BOLE_COMMIT"), modes={})
     for mode in args.mode or ("ar", "bole_tree"):
         kw = dict(model=args.model, dtype=dtype, max_model_len=args.prompt_len + args.tokens + 64, enforce_eager=args.eager,
                   max_num_seqs=args.batch if args.waves > 1 else max(args.batch, 8), seed=0, enable_prefix_caching=False,
