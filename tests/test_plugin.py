@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import vllm_bole
@@ -104,6 +105,25 @@ def test_tree_steps_never_dispatched_as_uniform_decode():
     r._bole_step = None
     assert r._determine_batch_execution_and_padding(4, 4) is None
     assert r._determine_batch_execution_and_padding(4, 4, force_uniform_decode=True) is True
+
+
+def test_plain_rows_first_in_few_swaps():
+    """The persistent batch's plain rows (prompts beside trees) go first, in vLLM's order, with at most one swap
+    each (a prompt arriving at the end of 128 trees moved every row until ffbdad9: 3.2 ms a step on the H100);
+    every row stays in the batch. Random batches, the swaps applied as ``swap_states`` applies them."""
+    from vllm_bole.adapter.runner import plain_first_swaps
+
+    rng = np.random.default_rng(0)
+    for n in [0, 1, 2, 5, 33, 128] * 20:
+        is_tree = (rng.random(n) < rng.random()).tolist()
+        rows = list(range(n))
+        swaps = plain_first_swaps(is_tree)
+        for k, j in swaps:
+            rows[k], rows[j] = rows[j], rows[k]
+        P = n - sum(is_tree)
+        assert sorted(rows) == list(range(n)) and len(swaps) <= P
+        assert rows[:P] == [i for i in range(n) if not is_tree[i]]
+        assert all(is_tree[i] for i in rows[P:])
 
 
 def test_budget_switch_in_place():
