@@ -4,7 +4,7 @@
 #   1  carry .vllm-gpu/p00                      parts
 #   2  carry .vllm-gpu/p01                      parts
 #   3  carry .vllm-gpu/p02                      parts
-#   (3b carry .pair/cache, when a stay brought caches home: parts)
+#   3b carry .pair/cache if this checkout has it (one 9 MB piece from ffbdad9: the tiny engines' kernels)  parts
 #   4  carry .vllm-gpu/p03 .vllm-gpu/install.sh  install                                  (~70 s)
 #  4b                                           MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed cachesave
 #      (up to 560 s cold: with less than ~650 s of device time left, skip it; a run's limit is 600 s)
@@ -15,8 +15,13 @@
 #   8                                           TREE_GRAPHS=1 PROFILE_BATCHES=32 PROFILE_WAVES=2 profile
 #   9                                           PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile
 #  10                                           ONLINE_MODES="ar bole_tree bole_async" online
+#   after 5, before 6 when time is short: TREE_GRAPHS=1 PROFILE_BATCHES=128 PROFILE_WAVES=2 profile (the pair's mixed
+#   steps against its tree steps: at ff6ad01 +29 ms at c = 128, of which the tiny profiles explain ~10; ~250 s warm)
 # A short stay (under ~1100 s: no pair fits): 1-4 as above, then `parts tinyprof` carrying .pair/tiny with TREE_GRAPHS=1
 # PROFILE_BATCHES=32 PROFILE_WAVES=2 (the mixed steps' host timeline against the tree steps', tiny checkpoints), then 4b.
+# 2026-12-05 (23rd session, ffbdad9): sixteen refused starts (~1000 s of budget) before an H100 came; parts x3, `install`
+# (77 s), `parts tinyprof` with .pair/tiny at c = 32 (273 s: cold, the two engines compiled until the 270 s limit, no
+# result), `tinyprof` again (110 s, warm), at c = 128 (136 s), `cachesave` (14 s, one piece), at c = 1 (96 s).
 # At home: `mkdir -p .pair/weights .pair/cache`, the pieces in (sha256sum -c), the JSON committed unedited (older
 # files renamed with their commit), `python benchmarks/bench_e2e.py --plot benchmarks/results`, README status.
 #
