@@ -15,8 +15,9 @@
 #   8                                           TREE_GRAPHS=1 PROFILE_BATCHES=32 PROFILE_WAVES=2 profile
 #   9                                           PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile
 #  10                                           ONLINE_MODES="ar bole_tree bole_async" online
-#   after 5, before 6 when time is short: TREE_GRAPHS=1 PROFILE_BATCHES=128 PROFILE_WAVES=2 profile (the pair's mixed
-#   steps against its tree steps: at ff6ad01 +29 ms at c = 128, of which the tiny profiles explain ~10; ~250 s warm)
+#   after 5, before 6 when time is short: TREE_GRAPHS=1 PROFILE_BATCHES=128 PROFILE_WAVES=2 PROFILE_SECONDS=560 profile
+#   (the pair's mixed steps against its tree steps: at ff6ad01 +29 ms at c = 128, of which the tiny profiles explain
+#   ~10; its engines are then the stay's first: cold, ~270 s of compiling before the ~100 s of profiling)
 # A short stay (under ~1100 s: no pair fits): 1-4 as above, then `parts tinyprof` carrying .pair/tiny with TREE_GRAPHS=1
 # PROFILE_BATCHES=32 PROFILE_WAVES=2 (the mixed steps' host timeline against the tree steps', tiny checkpoints), then 4b.
 # 2026-12-05 (23rd session, ffbdad9): sixteen refused starts (~1000 s of budget) before an H100 came; parts x3, `install`
@@ -447,8 +448,9 @@ stage_tinyprof() {  # host profile of the tree step on tiny checkpoints (bf16 Ne
 }
 
 profile_loop() {  # MODEL DRAFT NAME SECONDS [ARGS]: profile_step.py per batch of PROFILE_BATCHES (default "1 32"), budget
-    # PROFILE_BUDGET (8), PROFILE_WAVES (1), tree steps from whole CUDA graphs with TREE_GRAPHS=1
-    local model=$1 draft=$2 name=$3 t=$4
+    # PROFILE_BUDGET (8), PROFILE_WAVES (1), tree steps from whole CUDA graphs with TREE_GRAPHS=1; PROFILE_SECONDS
+    # instead of SECONDS a batch (cold, the first engines of a stay compile for ~270 s: 23rd session)
+    local model=$1 draft=$2 name=$3 t=${PROFILE_SECONDS:-$4}
     shift 4
     project
     for b in ${PROFILE_BATCHES:-1 32}; do
