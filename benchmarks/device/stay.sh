@@ -18,8 +18,9 @@
 #   after 5, before 6 when time is short: TREE_GRAPHS=1 PROFILE_BATCHES=128 PROFILE_WAVES=2 PROFILE_SECONDS=560 profile
 #   (the pair's mixed steps against its tree steps: at ff6ad01 +29 ms at c = 128, of which the tiny profiles explain
 #   ~10; its engines are then the stay's first: cold, ~270 s of compiling before the ~100 s of profiling)
-# A short stay (under ~1100 s: no pair fits): 1-4 as above, then `parts tinyprof` carrying .pair/tiny with TREE_GRAPHS=1
-# PROFILE_BATCHES=32 PROFILE_WAVES=2 (the mixed steps' host timeline against the tree steps', tiny checkpoints), then 4b.
+# A short stay (under ~1100 s: no pair fits): 1-4 as above, then 4b (issue 13's last mixed batches), then `parts
+# tinyprof` carrying .pair/tiny with TREE_GRAPHS=1 PROFILE_BATCHES=128 PROFILE_WAVES=2 (ran at ffbdad9: does the
+# reorder fix, plain_first_swaps, take `update` of the mixed steps from 3.90 to ~0.7 ms?).
 # 2026-12-05 (23rd session, ffbdad9): sixteen refused starts (~1000 s of budget) before an H100 came; parts x3, `install`
 # (77 s), `parts tinyprof` with .pair/tiny at c = 32 (273 s: cold, the two engines compiled until the 270 s limit, no
 # result), `tinyprof` again (110 s, warm), at c = 128 (136 s), `cachesave` (14 s, one piece), at c = 1 (96 s).
