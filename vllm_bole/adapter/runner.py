@@ -506,14 +506,10 @@ class TreeRunnerMixin:
 
     def _may_reorder_batch(self, scheduler_output) -> None:
         super()._may_reorder_batch(scheduler_output)
-        ib = self.input_batch
-        n = ib.num_reqs
         is_tree = self._bole_tree_rows(scheduler_output)
         self._bole_num_trees = sum(is_tree)
-        if not any(is_tree):
-            return
-        for k, j in plain_first_swaps(is_tree):
-            ib.swap_states(k, j)
+        for k, j in plain_first_swaps(is_tree):  # none without trees
+            self.input_batch.swap_states(k, j)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         t0 = time.perf_counter()
