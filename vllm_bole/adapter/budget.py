@@ -129,17 +129,20 @@ class StepBudget:
         tokens or not; ``changed``: requests arrived, finished or resumed since the previous step): the
         previous step, when it decoded only, is a sample of the switch: its tokens always, its duration
         (from its beginning to this one's) when it was steady (in the mode the switch chose for it, that of
-        the step before it) and kept its requests."""
+        the step before it) and kept its requests, or as the switch's cost when it kept its requests and was
+        the first in its mode."""
         last = self.last
         if last is not None and not last["prefill"]:
+            seconds = None if changed else self.t0 - last["t"]
             steady = last["steady"] and not changed
-            self.switch.observe(last["batch"], last["tree"], last["tokens"], self.t0 - last["t"] if steady else None,
-                                last.get("per_request"))
+            self.switch.observe(last["batch"], last["tree"], last["tokens"], seconds if steady else None,
+                                last.get("per_request"), switched=seconds if last["switched"] else None)
             if steady and self.ctl is not None and "forward_s" in last and last["trees"] is not None:
                 rest = self.t0 - last["t"] - last["forward_s"] - last.get("draft_s", 0.0)  # the rest of a tree step
                 self.ctl.rest.observe(*last["trees"], max(rest, 0.0))
         steady = last is not None and last["tree"] == tree and self.decided in (None, tree)
         self.last = dict(t=self.t0, batch=batch, tree=tree, prefill=prefill, tokens=batch, steady=steady,
+                         switched=last is not None and last["tree"] != tree and not last["prefill"],
                          trees=self.next_trees if tree else None)  # (requests, draft nodes) it verifies
         self.next_trees = None
         self.decided = None

@@ -874,7 +874,8 @@ class TreeRunnerMixin:
         plain_decode_steps: steps the speculation switch had decode plainly; switch_rates: per batch
         bucket its estimated tokens / s / request of tree steps and of plain decoding; switch_samples: the
         samples behind them, per mode {"tokens": per request of its latest decode steps, "seconds": of its
-        latest steady steps})."""
+        latest steady steps}; switch_cost_ms: per batch bucket the measured cost of a round trip between the
+        modes beyond their steady steps)."""
         self._bole_finish_unsettled()
         budget = {}
         if self._bole_auto is not None:
@@ -882,7 +883,8 @@ class TreeRunnerMixin:
             per_mode = lambda f: {b: {"trees" if m else "plain": v for m, v in f(b).items()}  # noqa: E731
                                   for b in sorted(switch.buckets)}
             budget = dict(self._bole_auto.stats, switch_rates=per_mode(switch.rates),
-                          switch_samples=per_mode(switch.samples), controller_model=self._bole_auto.model())
+                          switch_samples=per_mode(switch.samples), controller_model=self._bole_auto.model(),
+                          switch_cost_ms={b: round(1000 * switch.cost(b), 3) for b in sorted(switch.buckets)})
         depth = slice(1, self.bole_config.depth + 1)
         cols = branch_columns(self._bole_kinds)
         branch = {c: cols[depth, i].tolist() for i, c in enumerate(BRANCH_COLUMNS)}

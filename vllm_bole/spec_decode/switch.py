@@ -35,6 +35,27 @@ of the steps; now 86-97%, delivering 0.96-0.98x the faster mode's rate at 0.8-1.
 (59e0ecd) the estimate was the median of the last 5 samples' rates, which fell below plain decoding's
 whenever 3 of 5 steps accepted little.
 
+What a switch costs: the steps around a change of mode are slower than either mode's steady steps
+(plain to trees: the draft catches up on the tokens decoded plainly, in the last plain step of a
+synchronous engine; trees to plain: the pending paths committed, vLLM's own decode graph again). Seen on
+the H100 at ff6ad01 (the 70M pair, one request, MT-Bench, ``budget: "auto"``): tree steps averaged
+8.1 ms against 5.95 ms steady, plain steps 4.4 against 2.45, and the switch, which changed mode
+every ~14 steps (probes of the slower mode every ``4 * probe`` steps while the two estimates were
+close, per-request decisions near the break-even), delivered 0.71x a fixed budget of 16 with trees
+alone. So each bucket measures a switch's cost ``x``: the excess over the modes' steady medians of the
+step that leaves a mode and the one that enters the other, summed (the median of its last ``window``
+round halves, doubled: a probe is a round trip), and uses it twice:
+
+* hysteresis: the faster mode replaces the current one only when what it saves until the next probe
+  of the other (``explore_every`` steps of it) exceeds ``x / 2``: ``explore_every * t_best * (rate_best /
+  rate_current - 1) > x / 2``;
+* probes of the slower mode come at least ``16 * x / t_current`` steps apart (their round trips at most
+  ~1/16 of the time).
+
+``tests/test_switch.py`` drives it with round trips of 0-40 ms: with them it stays within 0.95x of trees
+alone where trees are the faster mode at 1.3x (the cost-blind switch: 0.72-0.86x at 40 ms), and still
+decodes a request the draft cannot follow plainly.
+
 Per request (``keys``): acceptance is a property of the request far more than of the bucket (one
 pair, MT-Bench at one request: 1.1 to 6.6 tokens a tree step by request). With the bucket's window
 alone, one request whose continuation the draft cannot follow filled it with 1-token tree steps, and
@@ -49,6 +70,7 @@ trees at once (once per request: a request that never gets a tree does not keep 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -59,10 +81,13 @@ __all__ = ["SpeculationSwitch"]
 class _Bucket:
     yields: dict  # speculate (bool) -> deque of the latest decode steps' tokens per request
     seconds: dict  # speculate (bool) -> deque of the latest steady steps' seconds
+    excess: collections.deque  # the latest switches' excess seconds (a mode's last step plus the next one's)
     mode: bool = True
+    home: bool = True  # the mode run outside probes
     left: int = 0  # steps of the current run still to take in ``mode``
     steps: int = 0
     last_probe: int = 0  # the step the last probe began
+    leaving: float | None = None  # the excess of the last step of a mode the switch has just left
 
 
 @dataclass
@@ -105,7 +130,8 @@ class SpeculationSwitch:
         key = 1 << max(int(batch) - 1, 0).bit_length()
         if key not in self.buckets:
             self.buckets[key] = _Bucket({m: collections.deque(maxlen=self.yields) for m in (True, False)},
-                                        {m: collections.deque(maxlen=self.window) for m in (True, False)})
+                                        {m: collections.deque(maxlen=self.window) for m in (True, False)},
+                                        collections.deque(maxlen=self.window))
         return self.buckets[key]
 
     def decide(self, batch: int, keys=None) -> bool:
@@ -117,16 +143,18 @@ class SpeculationSwitch:
             unseen = [m for m in (True, False) if not (b.seconds[m] and b.yields[m])]
             rate = self._rates(b, keys)
             best = _faster(rate)
+            run = self._run(b, best, rate, keys)
             since = b.steps - b.last_probe
             if unseen:  # a first probe of each mode
                 b.mode, b.left, b.last_probe = unseen[0], self.probe, b.steps
-            elif not best and keys and 2 * len(new := self._untried(keys)) >= len(keys):  # barely tried
+            elif not run and keys and 2 * len(new := self._untried(keys)) >= len(keys):  # barely tried
                 self.tried.update(new)
                 b.mode, b.left, b.last_probe = True, self.probe, b.steps
-            elif since >= 4 * self.probe and since >= self._interval(b, not best, rate, keys):
-                b.mode, b.left, b.last_probe = not best, self.probe, b.steps
+            elif since >= 4 * self.probe and since >= self._interval(b, not run, rate, keys):
+                b.mode, b.left, b.last_probe = not run, self.probe, b.steps
             else:
-                b.mode, b.left = best, 1
+                b.mode = b.home = run
+                b.left = 1
         b.left -= 1
         return b.mode
 
@@ -135,14 +163,41 @@ class SpeculationSwitch:
         while its estimate is within two standard errors of the faster one's (its tokens' spread over
         their count, for trees with ``keys`` the tree steps its requests' estimates rest on: a few unlucky
         tree steps must not keep it out for ``explore_every`` steps)."""
-        y = b.yields[slower]
-        if len(y) < 2 or len(rate) < 2:
+        if len(b.yields[slower]) < 2 or len(rate) < 2:
             return self.explore_every
-        n = len(y)
-        if slower and keys:
-            n = sum(self._seen(k) for k in keys) / len(keys) + self.prior_weight
-        se = statistics.stdev(y) / statistics.fmean(y) / n ** 0.5 if statistics.fmean(y) > 0 else 0.0
-        return 4 * self.probe if rate[slower] * (1 + 2 * se) >= rate[not slower] else self.explore_every
+        se = self._error(b, slower, keys)
+        close = slower and rate[slower] * (1 + 2 * se) >= rate[not slower]  # plain's rate barely moves
+        trips = self._cost(b) / statistics.median(b.seconds[not slower])  # a round trip, in steps
+        return math.ceil(max(4 * self.probe, 4 * trips) if close else max(self.explore_every, 32 * trips))
+
+    def _error(self, b: _Bucket, mode: bool, keys) -> float:
+        """The relative standard error of ``mode``'s tokens per request and step (for trees with ``keys`` over
+        the tree steps its requests' estimates rest on)."""
+        y = b.yields[mode]
+        if len(y) < 2 or not statistics.fmean(y) > 0:
+            return 0.0
+        n = sum(self._seen(k) for k in keys) / len(keys) + self.prior_weight if mode and keys else len(y)
+        return statistics.stdev(y) / statistics.fmean(y) / n ** 0.5
+
+    def _run(self, b: _Bucket, best: bool, rate: dict, keys) -> bool:
+        """The mode to run outside probes: ``best``, unless the bucket ran the other one (before any probe) and
+        switches cost time (module docstring): then only when what ``best`` saves over ``explore_every`` of its
+        steps pays for the switch and its lead is beyond two standard errors of the tree estimate."""
+        cur, cost = b.home, self._cost(b)
+        if best == cur or cost == 0 or len(rate) < 2 or not rate[cur] > 0:
+            return best
+        lead = rate[best] / rate[cur] - 1
+        saved = self.explore_every * statistics.median(b.seconds[best]) * lead
+        sure = best or lead > 2 * self._error(b, True, keys)  # trees are left on a lead beyond their noise
+        return best if saved > cost / 2 and sure else cur
+
+    def cost(self, batch: int) -> float:
+        """The bucket's estimated seconds of a round trip between the modes beyond their steady steps."""
+        return self._cost(self._bucket(batch))
+
+    @staticmethod
+    def _cost(b: _Bucket) -> float:
+        return 2 * max(statistics.median(b.excess), 0.0) if b.excess else 0.0
 
     def rates(self, batch: int, keys=None) -> dict:
         """The bucket's estimate per mode (tokens / s / request; a mode without tokens and seconds is absent);
@@ -171,15 +226,23 @@ class SpeculationSwitch:
         return _faster(self.rates(batch, keys))
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float | None,
-                per_request: dict | None = None) -> None:
+                per_request: dict | None = None, switched: float | None = None) -> None:
         """A decode step of ``batch`` requests emitted ``tokens`` tokens; ``seconds``: its duration when it was
-        steady, else None; ``per_request``: a tree step's tokens per request key (its tree requests)."""
+        steady, else None; ``per_request``: a tree step's tokens per request key (its tree requests);
+        ``switched``: its duration when it was not steady only because it was the first in its mode (its
+        requests those of the step before it). Called after :meth:`decide` chose the next step's mode."""
         if batch <= 0 or tokens < 0:
             return
         b = self._bucket(batch)
         b.yields[speculated].append(tokens / batch)
+        steady = b.seconds[speculated]
+        if switched is not None and b.leaving is not None and steady:
+            b.excess.append(b.leaving + switched - statistics.median(steady))
+        b.leaving = None
         if seconds is not None and seconds > 0:
-            b.seconds[speculated].append(seconds)
+            if b.mode != speculated and steady:  # the next step runs in the other mode
+                b.leaving = seconds - statistics.median(steady)
+            steady.append(seconds)
         for k, n in (per_request or {}).items() if speculated else ():
             o = self.own.get(k)
             if o is None:
