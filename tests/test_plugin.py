@@ -146,6 +146,36 @@ def test_budget_switch_in_place():
     assert r.bole_config.budget == "auto" and r._bole_budget is auto and r.bole_config.depth == 8
 
 
+def test_draft_read_after_a_budget_switch_reaches_its_controller():
+    """Under async scheduling a draft launched under ``"auto"`` is read at the next step's settle, which can come
+    after ``bole_set_budget(8)`` (the benchmarks' sweep): its choice goes to the controller that made it (at
+    a44eb73 to ``None``: every async cell of the H100 sweep failed)."""
+    import collections
+
+    import torch
+
+    from vllm_bole.adapter.runner import TreeRunnerMixin
+    from vllm_bole.adapter.tree_step import PHASES
+    from vllm_bole.config import TreeSpecConfig
+    from vllm_bole.spec_decode.controller import Choice
+    from vllm_bole.spec_decode.tree import TreeBatch
+
+    r = TreeRunnerMixin()
+    r._bole_auto = None
+    r._bole_set_config(TreeSpecConfig(method="bole_tree", drafter="ngram", num_speculative_tokens=8))
+    r._bole_async, r._bole_drafter, r._bole_step_kind = True, None, "trees"
+    r._bole_stats, r._bole_parts = collections.Counter(), dict.fromkeys(PHASES, 0.0)
+    r._bole_metrics = type("Metrics", (), dict(observe=lambda *a: None, set=lambda *a: None))()
+    tree = TreeBatch.from_parents([[-1, 0]], [[5, 6]])
+    choice = Choice(torch.tensor([1]), 1, 2, 1e-3, 1e-3, 2.0)
+    auto = r._bole_budget
+    r._bole_pending_draft = (lambda: (tree, choice), ["a"], 0.0, auto)
+    assert r.bole_set_budget(8) == 8 and r._bole_budget is None
+    r._bole_finish_draft()
+    assert auto.stats["budget_steps"] == 1 and auto.stats["budget_last"] == [1]
+    assert r._bole_drafted[0] is tree and r._bole_pending_draft is None
+
+
 def test_worker_metrics_snapshot_round_trip(tmp_path):
     """The worker's series reach the frontend's collector through the snapshot file: histogram buckets
     cumulative, sums and counts exact, counters and gauges as set; a missing file yields nothing."""

@@ -485,14 +485,16 @@ def test_async_switch_decodes_plainly(engines, models):
     drafts cut to none and runs as vLLM's own decode step, not as trees of roots alone (H100, ff6ad01: every
     such step verified root-only trees, the switch never saw a plain step, kept probing plain decoding and
     accepted nothing: 0.5x AR). The switch's first probes (trees, then plain decoding) come whatever the
-    timings; streams identical."""
+    timings; streams identical. Then a fixed budget in the same engine (the benchmarks' sweep: at a44eb73 the
+    draft launched under "auto" was read after the switch to budget 8 and its choice handed to no controller)."""
     arch = "llama"
     base = engines.run(arch, "base")["greedy"]
-    job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS)
-    r = engine_run.run_engine(models[arch], [job], spec=spec_config("draft_model", models[arch], budget="auto",
-                                                                    async_scheduling=True))
+    jobs = [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, budget=b) for b in (None, 8)]
+    r = engine_run.run_engine(models[arch], jobs, spec=spec_config("draft_model", models[arch], budget="auto",
+                                                                   async_scheduling=True))
     ours = r["jobs"][0]
-    _check_equal(arch, dict(tokens=base["tokens"]), ours)
+    for job in r["jobs"]:
+        _check_equal(arch, dict(tokens=base["tokens"]), job)
     st = ours["stats"]
     print(f"{arch} async switch: {st['tree_steps']} tree steps, {st['plain_decode_steps']} plain of {st['steps']} "
           f"steps, {st['drafted_nodes']} drafted, {st['accepted']} accepted, rates {st['switch_rates']}")

@@ -170,7 +170,8 @@ class TreeRunnerMixin:
         self._bole_step: TreeStep | None = None
         self._bole_drafted = None  # (TreeBatch of the last drafts, {req id: row}, flat drafts per row)
         self._bole_drafts = None  # DraftTokenIds for the scheduler
-        # (read the launched drafts, request ids, launch seconds): read when vLLM takes the drafts
+        # (read the launched drafts, request ids, launch seconds, the StepBudget that launched them or None): read
+        # when vLLM takes the drafts
         self._bole_pending_draft = None
         self._bole_launched = False  # this step's drafts were launched behind its verification (_sample)
         # async scheduling: the last step's sampled tokens on their way to the host (_bole_settle reads them) and
@@ -1037,7 +1038,7 @@ class TreeRunnerMixin:
 
             self._bole_drafts, self._bole_drafted = DraftTokenIds(req_ids, [[] for _ in req_ids]), None
             # async: decided for the next step (the settle drafts only where nothing was decided)
-            self._bole_pending_draft = (lambda: (None, None), req_ids, 0.0) if self._bole_async else None
+            self._bole_pending_draft = (lambda: (None, None), req_ids, 0.0, budget) if self._bole_async else None
             return
         W = 0 if pending is None else int(pending[0].shape[1])
         if self._bole_async and pending is None:  # at the settle, before this step's inputs: its decoding rows
@@ -1067,22 +1068,25 @@ class TreeRunnerMixin:
                                        controller=ctl, kv_lens=[len(h) for h in hists], keys=req_ids,
                                        calibration=self._bole_calibration.factors() if cfg.calibrate else None,
                                        timings=self._bole_stats, pending=pending)
-        self._bole_pending_draft = (finish, req_ids, time.perf_counter() - t0)
+        self._bole_pending_draft = (finish, req_ids, time.perf_counter() - t0, budget)
 
     def _bole_finish_draft(self) -> None:
         """The drafts :meth:`_bole_propose` launched, read (the paged draft's step ran on the device
         while vLLM's scheduler processed the step's output) and handed over as vLLM's
-        ``DraftTokenIds``; the step's drafting time (launch + read) into the counters."""
+        ``DraftTokenIds``; the step's drafting time (launch + read) into the counters, and the controller's
+        choice into the controller that made it (under async scheduling a draft launched under ``"auto"`` is read
+        at the next step's settle, after a ``bole_set_budget`` between them: H100, a44eb73, every async cell of the
+        budget sweep failed on it)."""
         if self._bole_pending_draft is None:
             return
-        (finish, req_ids, launch_s), self._bole_pending_draft = self._bole_pending_draft, None
+        (finish, req_ids, launch_s, budget), self._bole_pending_draft = self._bole_pending_draft, None
         t0 = time.perf_counter()
         tree, choice = finish()
         if tree is None:  # async: the switch chose plain decoding for the step (:meth:`_bole_propose`)
             self._bole_drafted = None
             return
         if choice is not None:
-            self._bole_budget.chosen(choice)
+            budget.chosen(choice)
             self._bole_metrics.observe("vllm:bole_budget_nodes", choice.total)
         if self._bole_async:  # the scheduler takes no drafts (it booked placeholders): the trees alone
             self._bole_drafted = (tree, {rid: r for r, rid in enumerate(req_ids)}, None)
@@ -1098,8 +1102,8 @@ class TreeRunnerMixin:
             self._bole_stats["plain_drafts"] += 1
             self._bole_stats["plain_draft_s"] += dt
         self._bole_metrics.observe("vllm:bole_draft_seconds", dt)
-        if self._bole_budget is not None:
-            self._bole_budget.drafted(dt)
+        if budget is not None:
+            budget.drafted(dt)
         pool = getattr(self._bole_drafter, "pool", None)
         if pool is not None:
             self._bole_metrics.set("vllm:bole_draft_evictions", pool.evictions)
