@@ -532,7 +532,8 @@ def plot(results: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in json.loads((results / "e2e_throughput.json").read_text())["rows"] if "error" not in r]
+    data = json.loads((results / "e2e_throughput.json").read_text())
+    rows = [r for r in data["rows"] if "error" not in r]
     sel = [r for r in rows if r["dataset"] == "mt_bench" and r["temperature"] == 0.0]
     ar = {r["batch"]: r["tokens_per_s"] for r in sel if r["mode"] == "ar"}
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -547,7 +548,7 @@ def plot(results: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
     ax.set_ylabel("speedup over AR (output tokens/s)")
-    ax.set_title("MT-Bench, greedy, H200, CUDA graphs")
+    ax.set_title(f"MT-Bench, greedy, {data.get('device', 'GPU')}, CUDA graphs")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(results / "e2e_throughput.png", dpi=120)
