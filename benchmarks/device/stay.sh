@@ -4,23 +4,25 @@
 #   1  carry .vllm-gpu/p00                      parts
 #   2  carry .vllm-gpu/p01                      parts
 #   3  carry .vllm-gpu/p02                      parts
-#   3b carry .pair/cache if this checkout has it (one 9 MB piece from ffbdad9: the tiny engines' kernels)  parts
-#   4  carry .vllm-gpu/p03 .vllm-gpu/install.sh  install                                  (~70 s)
-#  4b                                           MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed cachesave
-#      (up to 560 s cold: with less than ~650 s of device time left, skip it; a run's limit is 600 s)
+#   3b carry .pair/cache if this checkout has it (one 12 MB piece from a44eb73: the pair engines' compile caches;
+#      `install` unpacks it)                  parts
+#   4  carry .vllm-gpu/p03 .vllm-gpu/install.sh  install                                  (~60 s)
 #   5  carry .pair/data .pair/tiny              TRAIN_MODELS="nemotron_h draft distill" KEEP="00 01 02 03" parts train keep
-#   6                                           PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
+#      (449 s at a44eb73)
+#   6                                           PARALLEL=1 E2E_SECONDS=470 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
 #      bole_tree/draft_model/async bole_tree/draft_model vllm_chain/draft_model" KEEP="04 05 06 07" matrix keep
-#   7                                           cachesave (CACHE_KEEP="03 04 05" in one more run if it made more pieces)
-#   8                                           TREE_GRAPHS=1 PROFILE_BATCHES=32 PROFILE_WAVES=2 profile
-#   9                                           PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile
+#      (496 s at a44eb73 without `keep`: pieces 04-07 never came home; `keep` here, or the next stay trains again)
+#   7                                           cachesave (CACHE_KEEP="01 02" in one more run if it made more pieces)
+#   8                                           PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile
+#      (the controller's c = 128 cell: ~3 nodes a request where 16 was best at a44eb73)
+#   9                                           MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed (issue 13; ~560 s cold)
 #  10                                           ONLINE_MODES="ar bole_tree bole_async" online
-#   after 5, before 6 when time is short: TREE_GRAPHS=1 PROFILE_BATCHES=128 PROFILE_WAVES=2 PROFILE_SECONDS=560 profile
-#   (the pair's mixed steps against its tree steps: at ff6ad01 +29 ms at c = 128, of which the tiny profiles explain
-#   ~10; its engines are then the stay's first: cold, ~270 s of compiling before the ~100 s of profiling)
-# A short stay (under ~1100 s: no pair fits): 1-4 as above, then 4b (issue 13's last mixed batches), then `parts
-# tinyprof` carrying .pair/tiny with TREE_GRAPHS=1 PROFILE_BATCHES=128 PROFILE_WAVES=2 (ran at ffbdad9: does the
-# reorder fix, plain_first_swaps, take `update` of the mixed steps from 3.90 to ~0.7 ms?).
+# A short stay (under ~1100 s: no pair fits): 1-4 as above, then MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed
+# (issue 13's last mixed batches), then `parts tinyprof` carrying .pair/tiny with TREE_GRAPHS=1 PROFILE_BATCHES=128.
+# 2026-12-05 (24th session, a44eb73): four refused starts (~550 s; one nvidia-h100-x1 call also refused) before an
+# H100 came at 14:46; parts x3 (no cache piece), `install` (57 s), `parts train keep` with .pair/data .pair/tiny and
+# TRAIN_MODELS="nemotron_h draft distill" KEEP="00 01 02 03" (449 s), the matrix as in 6 but without `keep` (496 s:
+# the async engine failed at its first cell, fixed in 8248b24), `cachesave` (13 s), given back with 190 s left.
 # 2026-12-05 (23rd session, ffbdad9): sixteen refused starts (~1000 s of budget) before an H100 came; parts x3, `install`
 # (77 s), `parts tinyprof` with .pair/tiny at c = 32 (273 s: cold, the two engines compiled until the 270 s limit, no
 # result), `tinyprof` again (110 s, warm), at c = 128 (136 s), `cachesave` (14 s, one piece), at c = 1 (96 s).
