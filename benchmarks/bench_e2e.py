@@ -31,7 +31,9 @@ drafter first, n-grams, its MTP drafter, then its draft model; the heads when th
 ``pair/block``, ``pair/mtp``) sweeps the node
 budget in place (``bole_set_budget``; the same engine, so the same graphs and caches) over
 ``BUDGETS`` and ``budget: "auto"`` (the budget controller) cell by cell on the sweep cells (MT-Bench
-and HumanEval, greedy), then runs ``"auto"`` on every other cell. Order is by importance and every engine checks a deadline, so a
+and HumanEval, greedy; each budget on half the cell's requests in order, then on the other half in reverse,
+merged into one row with ``halves`` and each half's ``tokens_per_s_runs``: ``swept``), then runs ``"auto"`` on
+every other cell. Order is by importance and every engine checks a deadline, so a
 run cut short still writes what it measured; unmeasured cells are absent.
 
 Per cell: ``tokens_per_s`` (output tokens / generate seconds), ``accept_len`` (tokens per request
@@ -105,17 +107,21 @@ def prompts_for(prompts: dict, dataset: str, n: int) -> list[list[int]]:
     return [ps[i % len(ps)] for i in range(n)]
 
 
-def job(prompts, dataset, temperature, conc, deadline, budget=None) -> list[dict]:
+def job(prompts, dataset, temperature, conc, deadline, budget=None, half=None) -> list[dict]:
     """The cell's timed job, after an untimed one of the same cell with ``WARM_TOKENS`` tokens: the Triton
     kernels of the cell's shapes are compiled and autotuned (keyed by size classes) before the timing (seen
-    on the H200: fixed budgets' tokens/s jumping 2-3x between neighbouring cells)."""
+    on the H200: fixed budgets' tokens/s jumping 2-3x between neighbouring cells). ``half`` 0 / 1: the first
+    or second half of the cell's requests (:func:`swept`; the second without the untimed job)."""
     n = max(WAVES * conc, REQUESTS_MIN)
+    ps = prompts_for(prompts, dataset, n)
+    ps = ps if half is None else ps[: n // 2] if half == 0 else ps[n // 2:]
     sampling = dict(temperature=temperature, seed=None) if temperature else {}
     out = []
     for tokens, cell in ((WARM_TOKENS, None), (MAX_TOKENS, dict(dataset=dataset, temperature=temperature,
-                                                                  batch=conc, budget=budget))):
-        j = engine_run.generate_job(prompts_for(prompts, dataset, n), tokens, sampling=sampling, budget=budget,
-                                    concurrency=conc)
+                                                                  batch=conc, budget=budget, half=half))):
+        if cell is None and half == 1:
+            continue
+        j = engine_run.generate_job(ps, tokens, sampling=sampling, budget=budget, concurrency=conc)
         out.append(dict(j, deadline=deadline, cell=cell))
     return out
 
@@ -165,23 +171,32 @@ def engines(part: str, quick: bool, targets: bool = False) -> list[dict]:
     full = cells(temperatures=(0.0,), datasets=("mt_bench",)) if narrow else cells()
     sweep = cells(datasets=("mt_bench",) if narrow else SWEEP_DATASETS, temperatures=(0.0,))
     budgets = (2, 8) if quick else BUDGETS
-    trees = [dict(mode="ar", drafter="none", k=None, cells=[c + (None,) for c in full])]
+    trees = [dict(mode="ar", drafter="none", k=None, cells=[c + (None, None) for c in full])]
     # per swept cell its fixed budgets and the controller side by side (a deadline leaves whole groups)
-    grouped = [c + (b,) for c in sweep for b in budgets + ("auto",)] + [c + ("auto",) for c in full if c not in sweep]
+    grouped = swept(sweep, budgets + ("auto",)) + [c + ("auto", None) for c in full if c not in sweep]
     trees += [dict(mode="bole_tree", drafter=d, k=None, cells=grouped) for d in ("block", "ngram", "mtp", "draft_model")]
     # the same draft drafting its trees node by node (draft_beam): one engine, the sweep cells
     trees.insert(5, dict(mode="bole_tree", drafter="draft_model", k=None, draft_beam=DRAFT_BEAM,
-                         cells=[c + (b,) for c in sweep for b in budgets + ("auto",)]))
+                         cells=swept(sweep, budgets + ("auto",))))
     # the same draft under vLLM's async scheduling (AR's and vLLM's chain's default): the engine's booked drafts
     # ASYNC_BUDGET, its fixed budget and the controller within it
     trees.insert(6, dict(mode="bole_tree", drafter="draft_model", k=ASYNC_BUDGET, async_scheduling=True,
-                         cells=[c + (b,) for c in sweep for b in (ASYNC_BUDGET, "auto")]))
-    chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None,) for c in full])
+                         cells=swept(sweep, (ASYNC_BUDGET, "auto"))))
+    chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None, None) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
     chains += [dict(mode="bole_chain", drafter=d, k=None,
-                    cells=[c + (b,) for b in (budgets[:3] if not quick else budgets) for c in sweep])
+                    cells=[c + (b, None) for b in (budgets[:3] if not quick else budgets) for c in sweep])
                for d in ("block", "mtp", "draft_model")]
     return dict(trees=trees, chains=chains, all=trees + chains)[part]
+
+
+def swept(sweep: list[tuple], budgets: tuple) -> list[tuple]:
+    """A swept cell's budgets, each on half its requests in the order given, then each on the other half in
+    the reverse order (``(dataset, temperature, concurrency, budget, half)``): in one engine the cells run one
+    after another, and a drift of the engine's speed through the group (H100, a44eb73: vLLM's own input
+    preparation 0.63 -> 0.85 ms a step from the budget-8 cell to the controller's, always the group's last)
+    then weighs on every budget alike (the halves merged: ``merge_runs``)."""
+    return [c + (b, h) for c in sweep for h, order in enumerate((budgets, budgets[::-1])) for b in order]
 
 
 def row_of(eng: dict, cell: dict, res: dict) -> dict:
@@ -194,6 +209,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                batch=conc, dataset=cell["dataset"], temperature=cell["temperature"],
                tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * float(np.mean(tpot)) if tpot else None,
                requests=len(res["tokens"]), tokens=toks, seconds=res["generate_s"])
+    if cell.get("half") is not None:
+        row["half"] = cell["half"]
     if not cell["temperature"]:  # greedy: each request's output, for the comparison with AR (same_as_ar)
         row["digests"] = [hashlib.sha1(str(list(t)).encode()).hexdigest()[:10] for t in res["tokens"]]
     st, cn = res.get("stats"), res.get("counters") or {}
@@ -221,7 +238,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    accept_len_by_request=request_spread(st, res["tokens"], EOS.get("id")))
         if cell["budget"] == "auto":  # the speculation switch: steps decoded plainly, its rates per batch bucket
             row.update(plain_decode_steps=st.get("plain_decode_steps"), switch_rates=st.get("switch_rates"),
-                       switch_samples=st.get("switch_samples"))
+                       switch_samples=st.get("switch_samples"), switch_cost_ms=st.get("switch_cost_ms"))
         if cell["budget"] == "auto" and st.get("budget_steps"):
             row.update(chosen_nodes_per_step=st["budget_nodes"] / st["budget_steps"],
                        chosen_buckets=st.get("budget_buckets"), controller_model=st.get("controller_model"),
@@ -316,7 +333,7 @@ def passes(eng: dict) -> list[tuple[int, int]]:
     AR (the baseline), pass 1 after the other engines' pass 0 of that stage: AR's cells are timed before and
     after every other engine's (the H200's AR cells varied by up to ~30% minutes apart in one engine, at
     af4cf8f: the two passes measure that, and their mean is the row)."""
-    stages = sorted({stage_of(d, t) for d, t, _, _ in eng["cells"]})
+    stages = sorted({stage_of(d, t) for d, t, *_ in eng["cells"]})
     return [(k, p) for k in stages for p in ((0, 1) if eng["mode"] == "ar" else (0,))]
 
 
@@ -327,9 +344,9 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> li
     for k, p in passes(eng) if gate else [(None, 0)]:
         if gate:
             cell_jobs.append(gate((k, p)))
-        for d, t, c, b in eng["cells"]:
+        for d, t, c, b, h in eng["cells"]:
             if k is None or stage_of(d, t) == k:
-                cell_jobs += job(prompts, d, t, c, deadline, b)
+                cell_jobs += job(prompts, d, t, c, deadline, b, h)
     first = 1 if gate else 0  # the warm-up after the first gate: it runs on the GPU
     jobs = cell_jobs[:first] + warmup_jobs(prompts, deadline) + cell_jobs[first:]
     spec = spec_for(eng["mode"], eng["drafter"], args.pair, eng["k"], eng.get("draft_beam", 0),
@@ -359,14 +376,17 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> li
 def merge_runs(rows: list[dict]) -> list[dict]:
     """One row per cell: a cell timed twice (AR's two passes) becomes the first run's row with the mean
     ``tokens_per_s`` and ``tpot_ms``, each run's in ``tokens_per_s_runs`` / ``tpot_ms_runs``, and
-    ``run_spread`` (max - min over the mean of ``tokens_per_s``)."""
+    ``run_spread`` (max - min over the mean of ``tokens_per_s``); a cell run in halves (:func:`swept`) becomes
+    one row over both (:func:`merge_halves`)."""
     by: dict = {}
     for r in rows:
         by.setdefault(_cell_id(r) if "dataset" in r else id(r), []).append(r)
     out = []
     for group in by.values():
         row = dict(group[0])
-        if len(group) > 1:
+        if "half" in row:
+            row = merge_halves(group)
+        elif len(group) > 1:
             tps = [g["tokens_per_s"] for g in group]
             tpot = [g["tpot_ms"] for g in group if g.get("tpot_ms") is not None]
             row.update(tokens_per_s=float(np.mean(tps)), tokens_per_s_runs=tps,
@@ -498,6 +518,29 @@ def _header(args) -> dict:
                               chain_k=CHAIN_K, budgets=BUDGETS, max_depth=MAX_DEPTH, capture_sizes=CAPTURE,
                               dtype=args.dtype, cuda_graphs=not args.eager, attention_backend="TRITON_ATTN",
                               prefix_caching=False, ignore_eos=True, parallel_start=args.parallel))
+
+
+# a half-run row's counts (summed over the halves); its other numbers are means per step, request or node
+HALF_SUMS = ("requests", "tokens", "seconds", "tree_steps", "graph_tree_steps", "split_tree_steps", "mixed_tree_steps",
+             "split_piecewise_steps", "chained_drafts", "plain_drafts", "drafted_nodes", "accepted", "plain_decode_steps")
+
+
+def merge_halves(group: list[dict]) -> dict:
+    """One row from a cell's halves (:func:`swept`): ``tokens_per_s`` over both (tokens over seconds), each half's
+    in ``tokens_per_s_runs``, requests' ``digests`` in order, :data:`HALF_SUMS` summed, every other number that
+    differs their mean (the halves have the same request count), lists and dicts (step kinds, spreads, the controller's model)
+    the first half's; ``halves``: how many ran (a deadline can cut the second)."""
+    group = sorted(group, key=lambda r: r["half"])
+    row = {k: v for k, v in group[0].items() if k != "half"}
+    for k in row:
+        vals = [g.get(k) for g in group]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            row[k] = sum(vals) if k in HALF_SUMS else sum(vals) / len(vals) if len(set(vals)) > 1 else vals[0]
+    row.update(tokens_per_s=row["tokens"] / row["seconds"], tokens_per_s_runs=[g["tokens_per_s"] for g in group],
+               halves=len(group))
+    if all("digests" in g for g in group):
+        row["digests"] = [d for g in group for d in g["digests"]]
+    return row
 
 
 def same_as_ar(rows: list[dict]) -> None:
@@ -635,7 +678,7 @@ def main() -> int:
     done = {_cell_id(r) for r in prior if args.resume and "error" not in r}
     keep = [r for r in prior if (args.only and _name(r) not in args.only) or _cell_id(r) in done]
     for e in todo:  # --resume: the cells this machine's earlier runs measured are kept, not run again
-        e["cells"] = [c for c in e["cells"] if _cell_id(e, *c) not in done]
+        e["cells"] = [c for c in e["cells"] if _cell_id(e, *c[:4]) not in done]
     todo = [e for e in todo if e["cells"]]
     parts[args.part] = dict(rows=keep, started=time.strftime("%H:%M:%S"))
     if args.parallel:
