@@ -46,15 +46,20 @@ alone. So each bucket measures a switch's cost ``x``: the excess over the modes'
 step that leaves a mode and the one that enters the other, summed (the median of its last ``window``
 round halves, doubled: a probe is a round trip), and uses it twice:
 
-* hysteresis: the faster mode replaces the current one only when what it saves until the next probe
-  of the other (``explore_every`` steps of it) exceeds ``x / 2``: ``explore_every * t_best * (rate_best /
-  rate_current - 1) > x / 2``;
-* probes of the slower mode come at least ``16 * x / t_current`` steps apart (their round trips at most
-  ~1/16 of the time).
+* hysteresis: the faster mode replaces the one the bucket runs outside probes only when what it saves until
+  the next probe of the other (``explore_every`` of its steps) exceeds ``x / 2``: ``explore_every * t_best *
+  (rate_best / rate_current - 1) > x / 2``; leaving trees also needs a lead beyond two standard errors of
+  the tree estimate (its tokens are the noisy part: a request's few unlucky tree steps must not send it to
+  plain decoding for good);
+* probes: plain decoding, whose rate barely moves, at most every ``max(explore_every, 32 * x / t)`` steps
+  (``t`` the running mode's step); trees, while their estimate is within two standard errors of plain
+  decoding's, every ``max(4 * probe, 4 * x / t)``, else like plain decoding.
 
-``tests/test_switch.py`` drives it with round trips of 0-40 ms: with them it stays within 0.95x of trees
-alone where trees are the faster mode at 1.3x (the cost-blind switch: 0.72-0.86x at 40 ms), and still
-decodes a request the draft cannot follow plainly.
+``tests/test_switch.py`` drives it on the H100's numbers (16 requests, each its own acceptance, trees at
+~1.3x plain decoding) with round trips of 20 / 40 / 80 ms: 0.959 / 0.955 / 0.948x trees alone on average
+(the cost-blind switch 0.92 / 0.86 / 0.76), and it still decodes plainly the requests the draft cannot
+follow (>= 1.04x trees alone). First run on the H100 at a44eb73 (one request, MT-Bench): 16 steps decoded
+plainly beside 473 tree steps (251 of 830 at ff6ad01), the cell 0.93x the best fixed budget (0.71x).
 
 Per request (``keys``): acceptance is a property of the request far more than of the bucket (one
 pair, MT-Bench at one request: 1.1 to 6.6 tokens a tree step by request). With the bucket's window
@@ -159,10 +164,10 @@ class SpeculationSwitch:
         return b.mode
 
     def _interval(self, b: _Bucket, slower: bool, rate: dict, keys) -> int:
-        """Steps until the probe after this one of the ``slower`` mode: ``explore_every``, or ``4 * probe``
-        while its estimate is within two standard errors of the faster one's (its tokens' spread over
-        their count, for trees with ``keys`` the tree steps its requests' estimates rest on: a few unlucky
-        tree steps must not keep it out for ``explore_every`` steps)."""
+        """Steps until the probe after this one of the ``slower`` mode (the one not run): for trees while their
+        estimate is within two standard errors of plain decoding's (:meth:`_error`: a few unlucky tree steps
+        must not keep them out for ``explore_every`` steps) ``4 * probe``, else ``explore_every``; at least 4
+        (close) or 32 round trips' cost in steps of the running mode (module docstring)."""
         if len(b.yields[slower]) < 2 or len(rate) < 2:
             return self.explore_every
         se = self._error(b, slower, keys)
