@@ -12,6 +12,9 @@
 #   6                                           PARALLEL=1 E2E_SECONDS=470 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
 #      bole_tree/draft_model/async bole_tree/draft_model vllm_chain/draft_model" KEEP="04 05 06 07" matrix keep
 #      (496 s at a44eb73 without `keep`: pieces 04-07 never came home; `keep` here, or the next stay trains again)
+#  6b                                           PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=16,32 E2E_ONLY="ar/none
+#      bole_tree/draft_model" targets   (issue 15's c = 1 cell: at a44eb73 budgets 8 and 16 had the same 4.75 ms step
+#      and 16 accepted 4.2 tokens against 3.8; does 32 reach the 2.0x that 16 missed by 6%?)
 #   7                                           cachesave (CACHE_KEEP="01 02" in one more run if it made more pieces)
 #   8                                           PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile
 #      (the controller's c = 128 cell: ~3 nodes a request where 16 was best at a44eb73)
