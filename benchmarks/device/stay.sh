@@ -20,6 +20,8 @@
 #      (the controller's c = 128 cell: ~3 nodes a request where 16 was best at a44eb73)
 #   9                                           MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed (issue 13; ~560 s cold)
 #  10                                           ONLINE_MODES="ar bole_tree bole_async" online
+#  11                                           treegraphs (every architecture's rows with whole tree-step graphs: the
+#      evidence to make them the default; then TREE_GRAPHS=1 COST_MODES=bole_tree COST_GPU_MEM=0.9 cost at 8B shapes)
 # A short stay (under ~1100 s: no pair fits): 1-4 as above, then MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed
 # (issue 13's last mixed batches), then `parts tinyprof` carrying .pair/tiny with TREE_GRAPHS=1 PROFILE_BATCHES=128.
 # 2026-12-05 (24th session, a44eb73): four refused starts (~550 s; one nvidia-h100-x1 call also refused) before an
