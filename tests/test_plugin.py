@@ -154,6 +154,7 @@ def test_draft_read_after_a_budget_switch_reaches_its_controller():
 
     import torch
 
+    from vllm_bole.adapter.metrics import WorkerMetrics
     from vllm_bole.adapter.runner import TreeRunnerMixin
     from vllm_bole.adapter.tree_step import PHASES
     from vllm_bole.config import TreeSpecConfig
@@ -165,7 +166,7 @@ def test_draft_read_after_a_budget_switch_reaches_its_controller():
     r._bole_set_config(TreeSpecConfig(method="bole_tree", drafter="ngram", num_speculative_tokens=8))
     r._bole_async, r._bole_drafter, r._bole_step_kind = True, None, "trees"
     r._bole_stats, r._bole_parts = collections.Counter(), dict.fromkeys(PHASES, 0.0)
-    r._bole_metrics = type("Metrics", (), dict(observe=lambda *a: None, set=lambda *a: None))()
+    r._bole_metrics = WorkerMetrics(None)
     tree = TreeBatch.from_parents([[-1, 0]], [[5, 6]])
     choice = Choice(torch.tensor([1]), 1, 2, 1e-3, 1e-3, 2.0)
     auto = r._bole_budget

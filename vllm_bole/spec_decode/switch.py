@@ -165,23 +165,22 @@ class SpeculationSwitch:
 
     def _interval(self, b: _Bucket, slower: bool, rate: dict, keys) -> int:
         """Steps until the probe after this one of the ``slower`` mode (the one not run): for trees while their
-        estimate is within two standard errors of plain decoding's (:meth:`_error`: a few unlucky tree steps
+        estimate is within two standard errors of plain decoding's (:meth:`_tree_error`: a few unlucky tree steps
         must not keep them out for ``explore_every`` steps) ``4 * probe``, else ``explore_every``; at least 4
         (close) or 32 round trips' cost in steps of the running mode (module docstring)."""
         if len(b.yields[slower]) < 2 or len(rate) < 2:
             return self.explore_every
-        se = self._error(b, slower, keys)
-        close = slower and rate[slower] * (1 + 2 * se) >= rate[not slower]  # plain's rate barely moves
+        close = slower and rate[True] * (1 + 2 * self._tree_error(b, keys)) >= rate[False]  # plain's rate barely moves
         trips = self._cost(b) / statistics.median(b.seconds[not slower])  # a round trip, in steps
         return math.ceil(max(4 * self.probe, 4 * trips) if close else max(self.explore_every, 32 * trips))
 
-    def _error(self, b: _Bucket, mode: bool, keys) -> float:
-        """The relative standard error of ``mode``'s tokens per request and step (for trees with ``keys`` over
-        the tree steps its requests' estimates rest on)."""
-        y = b.yields[mode]
+    def _tree_error(self, b: _Bucket, keys) -> float:
+        """The relative standard error of the tree steps' tokens per request and step (with ``keys`` over the tree
+        steps its requests' estimates rest on): plain decoding's tokens do not vary."""
+        y = b.yields[True]
         if len(y) < 2 or not statistics.fmean(y) > 0:
             return 0.0
-        n = sum(self._seen(k) for k in keys) / len(keys) + self.prior_weight if mode and keys else len(y)
+        n = sum(self._seen(k) for k in keys) / len(keys) + self.prior_weight if keys else len(y)
         return statistics.stdev(y) / statistics.fmean(y) / n ** 0.5
 
     def _run(self, b: _Bucket, best: bool, rate: dict, keys) -> bool:
@@ -193,7 +192,7 @@ class SpeculationSwitch:
             return best
         lead = rate[best] / rate[cur] - 1
         saved = self.explore_every * statistics.median(b.seconds[best]) * lead
-        sure = best or lead > 2 * self._error(b, True, keys)  # trees are left on a lead beyond their noise
+        sure = best or lead > 2 * self._tree_error(b, keys)  # trees are left on a lead beyond their noise
         return best if saved > cost / 2 and sure else cur
 
     def cost(self, batch: int) -> float:
