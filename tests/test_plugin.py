@@ -168,7 +168,7 @@ def test_draft_read_after_a_budget_switch_reaches_its_controller():
     r._bole_stats, r._bole_parts = collections.Counter(), dict.fromkeys(PHASES, 0.0)
     r._bole_metrics = WorkerMetrics(None)
     tree = TreeBatch.from_parents([[-1, 0]], [[5, 6]])
-    choice = Choice(torch.tensor([1]), 1, 2, 1e-3, 1e-3, 2.0)
+    choice = Choice(torch.tensor([1]), 1, 2, 1e-3, 1e-3, 2.0, 4)
     auto = r._bole_budget
     r._bole_pending_draft = (lambda: (tree, choice), ["a"], 0.0, auto)
     assert r.bole_set_budget(8) == 8 and r._bole_budget is None

@@ -1,29 +1,26 @@
 #!/usr/bin/env bash
 # THE NEXT STAY, run by run (each within 30 s of the last; BOLE_COMMIT=<full sha of HEAD>: a run's own `git`
-# sees an older commit; the history and its reasons follow below):
-#   1  carry .vllm-gpu/p00                      parts
-#   2  carry .vllm-gpu/p01                      parts
-#   3  carry .vllm-gpu/p02                      parts
-#   3b carry .pair/cache if this checkout has it (one 12 MB piece from a44eb73: the pair engines' compile caches;
-#      `install` unpacks it)                  parts
-#   4  carry .vllm-gpu/p03 .vllm-gpu/install.sh  install                                  (~60 s)
-#   5  carry .pair/data .pair/tiny              TRAIN_MODELS="nemotron_h draft distill" KEEP="00 01 02 03" parts train keep
-#      (449 s at a44eb73)
-#   6                                           PARALLEL=1 E2E_SECONDS=470 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
-#      bole_tree/draft_model/async bole_tree/draft_model vllm_chain/draft_model" KEEP="04 05 06 07" matrix keep
-#      (496 s at a44eb73 without `keep`: pieces 04-07 never came home; `keep` here, or the next stay trains again)
-#  6b                                           PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=16,32 E2E_ONLY="ar/none
-#      bole_tree/draft_model" targets   (issue 15's c = 1 cell: at a44eb73 budgets 8 and 16 had the same 4.75 ms step
-#      and 16 accepted 4.2 tokens against 3.8; does 32 reach the 2.0x that 16 missed by 6%?)
-#   7                                           cachesave (CACHE_KEEP="01 02" in one more run if it made more pieces)
-#   8                                           PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile
-#      (the controller's c = 128 cell: ~3 nodes a request where 16 was best at a44eb73)
-#   9                                           MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed (issue 13; ~560 s cold)
-#  10                                           ONLINE_MODES="ar bole_tree bole_async" online
-#  11                                           treegraphs (every architecture's rows with whole tree-step graphs: the
-#      evidence to make them the default; then TREE_GRAPHS=1 COST_MODES=bole_tree COST_GPU_MEM=0.9 cost at 8B shapes)
-# A short stay (under ~1100 s: no pair fits): 1-4 as above, then MIXED="granitemoehybrid falcon_h1 qwen3_next" mixed
-# (issue 13's last mixed batches), then `parts tinyprof` carrying .pair/tiny with TREE_GRAPHS=1 PROFILE_BATCHES=128.
+# sees an older commit; the history and its reasons follow below). Since the 25th session the bundle is FIVE parts
+# of 43 MB (`cat p00 p01 p02 p03 | split -n 5 -d -a 2 - .vllm-gpu/p`: p03 + install.sh + the 13.8 MB working tree
+# no longer fit 64 MiB) and the trained pair of 992f2cd is home (.pair/weights, 8 pieces: no training):
+#   1-4 carry .vllm-gpu/p00 (then p01, p02, p03)                                        parts
+#   5   carry .pair/weights/pair.sha256 .pair/weights/pair.txz.00 .pair/weights/pair.txz.01 .pair/weights/pair.txz.02  parts
+#   6   carry .pair/weights/pair.txz.03 .pair/weights/pair.txz.04 .pair/weights/pair.txz.05                     parts
+#   7   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                                   parts
+#   8   carry .pair/cache .pair/data                                                                         parts
+#   9   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~80 s)
+#  10   PARALLEL=1 E2E_SECONDS=430 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model
+#       vllm_chain/draft_model" matrix      (issue 17: the controller with significant slopes, the drafting against
+#       the nodes searched and unseen buckets on a line; read `controller.json` and the rows' `controller_model`,
+#       whose `draft_samples` are [requests, searched, chosen, ms])
+#  11   MIXED="falcon_h1 qwen3_next" mixed cachesave   (issue 13's last two mixed batches; 560 s cold)
+#  12   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
+#  then, as time allows: PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile; online; treegraphs.
+# 2026-12-05 (25th session, 992f2cd): an H100 at the first call; parts x3 + the cache piece, `install` (78 s), `parts
+# train keep` (454 s), the matrix as in 10 with the async trees and `keep` (458 s; all eight pieces home), `targets
+# cachesave` with BUDGETS=16,32 (187 s), MIXED=granitemoehybrid MIXED_SECONDS=420 `mixed cachesave` (273 s: passed),
+# given back with 233 s left. `targets` extends the part `all` of the matrix before it: the engines outside
+# E2E_ONLY keep the matrix's rows in its file.
 # 2026-12-05 (24th session, a44eb73): four refused starts (~550 s; one nvidia-h100-x1 call also refused) before an
 # H100 came at 14:46; parts x3 (no cache piece), `install` (57 s), `parts train keep` with .pair/data .pair/tiny and
 # TRAIN_MODELS="nemotron_h draft distill" KEEP="00 01 02 03" (449 s), the matrix as in 6 but without `keep` (496 s:

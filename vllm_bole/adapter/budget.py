@@ -13,6 +13,7 @@ of each bucket on.
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -60,6 +61,8 @@ class StepBudget:
         self.last: dict | None = None  # the engine step under way, as the switch samples it
         self.decided: bool | None = None  # the switch's choice for the next step (None: it made none)
         self.next_trees: tuple[int, int] | None = None  # (requests, draft nodes) of the trees drafted for the next step
+        self.next_search: tuple[int, int] | None = None  # (requests, draft nodes searched) of that drafting
+        self.drafts = collections.deque(maxlen=64)  # the last drafting samples: [requests, searched, chosen, ms]
         self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], budget_buckets={}, observed_steps=0,
                           predicted_step_s=0.0, measured_step_s=0.0, plain_decode_steps=0)
 
@@ -101,23 +104,27 @@ class StepBudget:
         st["budget_last"] = choice.budgets.tolist()
         st["budget_buckets"][choice.bucket] = st["budget_buckets"].get(choice.bucket, 0) + 1
         self.predicted_s, self.next_trees = choice.predicted_s, (len(choice.budgets), choice.total)
+        self.next_search = (len(choice.budgets), choice.searched)
 
     def model(self) -> dict:
         """What the controller has learnt: the forward's ratio to its prior per token bucket; drafting and the
-        rest per batch bucket as [ms, ms per draft node]."""
+        rest per batch bucket as [ms, ms per draft node] (searched nodes for the drafting, chosen for the rest);
+        the last drafting samples as [requests, searched, chosen, ms]."""
         if self.ctl is None:
             return {}
         c = self.ctl
         line = lambda t: {k: [round(1000 * v, 4) for v in t.line(k)] for k in sorted(t.means)}  # noqa: E731
         return dict(forward_ratio={b: round(r, 4) for b, r in sorted(c.cost.ratio.items())}, draft=line(c.draft),
-                    rest=line(c.rest))
+                    rest=line(c.rest), draft_samples=list(self.drafts))
 
     def drafted(self, seconds: float) -> None:
         """The step under way drafted the next step's trees for ``seconds``: a sample of the controller's
-        drafting time at those trees' size, and the part of this step's interval that is not its rest
+        drafting time at the nodes that search reached for, and the part of this step's interval that is not its rest
         (:meth:`step_begun`)."""
-        if self.ctl is not None and self.next_trees is not None:
-            self.ctl.draft.observe(*self.next_trees, seconds)
+        if self.ctl is not None and self.next_search is not None:
+            self.ctl.draft.observe(*self.next_search, seconds)
+            self.drafts.append([*self.next_search, self.next_trees[1], round(1000 * seconds, 3)])
+        self.next_search = None
         if self.last is not None:
             self.last["draft_s"] = seconds
 

@@ -9,17 +9,28 @@ requests' context lengths and its measured step times.
 * :class:`StepCostModel`: that prior times a correction learnt online from measured steps, an
   exponentially weighted ratio per token bucket (the padded token count, i.e. the CUDA-graph
   size), each measurement clipped to 4x the current ratio (outliers: steps that compiled kernels);
-  an unseen bucket borrows the ratio of the nearest seen one.
+  an unseen bucket lies on the line ``a + r * prior`` through the seen buckets, not at the nearest seen
+  one's ratio: on the H100 at 992f2cd (the 70M pair, c = 128) every bucket up to 512 tokens measured
+  ~25x its prior (the host work around a forward the prior puts at ~0.3 ms, flat in the tokens), and that
+  ratio carried onto the prior's flops-bound buckets (above ~1200 tokens) made 16 nodes a request look
+  ~1.5x dearer than 3 where the runs of fixed budgets measured their steps within 1.3x.
 * :class:`NodeTimes`: the step's time beside the forward, its drafting and its rest, each ``a + b * nodes``
-  per batch bucket (requests rounded up to a power of two; ``nodes`` the step's draft nodes), fitted online.
+  per batch bucket (requests rounded up to a power of two), fitted online: the drafting in the nodes the
+  search reached for (requests x the per-request search budget), the rest in the step's chosen draft nodes.
   The forward is flat within a CUDA-graph bucket, but drafting and the host's work grow with every node: on
   the H200 at ebdbbaa (c = 1, the 70M pair) 16 nodes a request took 1.3 ms a step more than 8, and with one
   number for the drafting and one for the rest the controller chose 16 where 8 gave 1.16x the tokens per
-  second.
+  second. The drafting is the search's, not the chosen trees': on the H100 at 992f2cd (c = 128) the
+  controller chose 2.6 nodes a request, drafting for 4.6 ms a step, where budget 8 (5.7 a request chosen
+  and searched 8) drafted for 3.2 ms and gave 1.56x the tokens per second: its search ran at twice the
+  batch's largest choice (one confident request's), and a line in the chosen nodes read that search's cost
+  as 0.014 ms a chosen node (16x the slope between budgets 8 and 16).
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
   by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
-  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting(N) + rest(N))`` (``rest``:
+  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting(B * search(N)) + rest(N))``
+  (``search(N)``: the bounded search that choice leads to, below, so that one request's deep tree is
+  weighed against the search it makes every request pay for; ``rest``:
   the engine step's time around the forward and the drafting, its scheduling and output processing,
   measured by the engine; without it, on the H200 at 59e0ecd, the choice at 32 requests was ~6 nodes
   a request where 16 gave 1.09x the tokens per second: a step's fixed ~4 ms of host work was
@@ -83,49 +94,76 @@ class Roofline:
 class StepCostModel:
     prior: Roofline
     alpha: float = 0.2  # weight of a new measurement
-    # a measurement counts as at most ``clip`` times the bucket's ratio (or the nearest seen one's, or
+    # a measurement counts as at most ``clip`` times the bucket's ratio (or the predicted one's, or
     # the prior's): a step that compiled Triton kernels (1-25 s on the H200, against ~10 ms) must not
     # dominate the bucket for dozens of steps (seen: 162 ms predicted against 11 ms measured)
     clip: float = 4.0
     ratio: dict = field(default_factory=dict)  # bucket -> measured / prior
+    points: dict = field(default_factory=dict)  # bucket -> weighted means of [prior s, measured s]
 
-    def correction(self, buckets) -> np.ndarray:
-        """``[n]`` ratios for token buckets ``[n]`` (nearest seen bucket; 1 before any measurement)."""
-        buckets = np.asarray(buckets, dtype=np.float64)
+    def seconds(self, buckets, prior) -> np.ndarray:
+        """``[n]`` predicted seconds of forwards over token buckets ``[n]`` whose prior is ``prior`` ``[n]``: a seen
+        bucket's prior times its ratio; an unseen one's on the line ``a + r * prior`` through the seen buckets'
+        mean (prior, measured) points (least squares, ``0 <= r <=`` their largest ratio; one point: ``r = 1``),
+        never below the prior; the prior before any measurement."""
+        buckets, prior = np.asarray(buckets, dtype=np.int64), np.asarray(prior, dtype=np.float64)
         if not self.ratio:
-            return np.ones(buckets.shape)
-        seen = sorted(self.ratio)
-        vals = np.array([self.ratio[b] for b in seen], dtype=np.float64)
-        return vals[np.abs(buckets[:, None] - np.array(seen, dtype=np.float64)[None, :]).argmin(1)]
+            return prior.copy()
+        a, r = self._line()
+        out = np.maximum(a + r * prior, prior)
+        for bucket, ratio in self.ratio.items():
+            hit = buckets == bucket
+            out[hit] = prior[hit] * ratio
+        return out
+
+    def _line(self) -> tuple[float, float]:
+        p, m = np.array(list(self.points.values()), dtype=np.float64).T
+        var = p.var()
+        r = ((p - p.mean()) * (m - m.mean())).mean() / var if var > 1e-6 * p.mean() ** 2 else 1.0
+        r = min(max(r, 0.0), max(self.ratio.values()))
+        return float(m.mean() - r * p.mean()), r
 
     def observe(self, bucket: int, predicted_prior_s: float, measured_s: float) -> None:
         """One measured forward of token bucket ``bucket`` whose prior predicted ``predicted_prior_s``."""
         if not (predicted_prior_s > 0 and math.isfinite(measured_s) and measured_s > 0):
             return
-        old = self.ratio.get(int(bucket))
-        ref = old if old is not None else float(self.correction([bucket])[0])
+        bucket = int(bucket)
+        old = self.ratio.get(bucket)
+        ref = old if old is not None else float(self.seconds([bucket], [predicted_prior_s])[0]) / predicted_prior_s
         r = min(max(measured_s / predicted_prior_s, ref / self.clip), ref * self.clip)
-        self.ratio[int(bucket)] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+        x = np.array([predicted_prior_s, r * predicted_prior_s])
+        self.ratio[bucket] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+        self.points[bucket] = x if old is None else (1 - self.alpha) * self.points[bucket] + self.alpha * x
 
 
 @dataclass
 class NodeTimes:
     """Seconds of a part of the step as ``a + b * nodes`` per batch bucket (requests rounded up to a power of
     two; an unseen bucket reads the nearest seen one's line, none: 0), by exponentially weighted least
-    squares (a sample weighs ``alpha``) with ``b >= 0`` (0 until two node counts were seen); a sample counts
-    as at most ``clip`` times the line's value there (a step that compiled kernels)."""
+    squares (a sample weighs ``alpha``); a sample counts as at most ``clip`` times the line's value there (a
+    step that compiled kernels). The slope is the fitted one less two of its standard errors, at least 0 (0
+    until two node counts were seen): noise over a narrow range of node counts is no slope. Seen on the H100
+    at 992f2cd (c = 128, 300 +- 100 nodes a step, drafting 4.2 ms p50 and 9.6 max): a fitted 0.014 ms a node,
+    which put 30 ms of drafting on 16 nodes a request where budget 16 drafted for 3.8 ms."""
     alpha: float = 0.05
     clip: float = 4.0
-    means: dict = field(default_factory=dict)  # batch bucket -> weighted means of [n, n^2, t, n t]
+    means: dict = field(default_factory=dict)  # batch bucket -> weighted means of [n, n^2, t, n t, t^2]
+    weight2: dict = field(default_factory=dict)  # batch bucket -> sum of the squared weights (1 / samples)
 
     def line(self, batch: int) -> tuple[float, float]:
         """(a, b) seconds of the batch's bucket."""
         if not self.means:
             return 0.0, 0.0
         k = math.log2(_batch_bucket(batch))
-        n, nn, t, nt = self.means[min(self.means, key=lambda s: abs(math.log2(s) - k))]
+        key = min(self.means, key=lambda s: abs(math.log2(s) - k))
+        n, nn, t, nt, tt = self.means[key]
         var = nn - n * n
-        b = max((nt - n * t) / var, 0.0) if var > 1e-6 * max(n * n, 1.0) else 0.0
+        b = 0.0
+        if var > 1e-6 * max(n * n, 1.0):
+            fit = (nt - n * t) / var
+            resid = max(tt - t * t - fit * fit * var, 0.0)
+            dof = max(1.0 / self.weight2[key] - 2.0, 1.0)
+            b = max(fit - 2.0 * math.sqrt(resid / (var * dof)), 0.0)
         return max(t - b * n, 0.0), b
 
     def at(self, batch: int, nodes) -> np.ndarray:
@@ -137,10 +175,12 @@ class NodeTimes:
             return
         ref = float(self.at(batch, nodes))
         sample = min(sample, self.clip * ref) if ref > 0 else sample
-        x = np.array([nodes, nodes * nodes, sample, nodes * sample], dtype=np.float64)
+        x = np.array([nodes, nodes * nodes, sample, nodes * sample, sample * sample], dtype=np.float64)
         k = _batch_bucket(batch)
         old = self.means.get(k)
         self.means[k] = x if old is None else (1 - self.alpha) * old + self.alpha * x
+        w2 = self.weight2.get(k)
+        self.weight2[k] = 1.0 if w2 is None else (1 - self.alpha) ** 2 * w2 + self.alpha ** 2
 
 
 def _batch_bucket(batch: int) -> int:
@@ -155,6 +195,7 @@ class Choice:
     predicted_s: float  # corrected cost of that forward
     prior_s: float  # the prior alone (what ``StepCostModel.observe`` compares against)
     expected_tokens: float  # B + sum rho of the chosen nodes
+    searched: int  # draft nodes the search reached for: B x the per-request search budget
 
 
 class BudgetController:
@@ -172,9 +213,11 @@ class BudgetController:
         # next smaller one, so that buckets and node counts get measured (times are only learnt where steps ran)
         self.explore_every, self.choices = explore_every, 0
         self.reach: int | None = None  # the largest per-request budget of the last choice
+        self.cap: int | None = None  # the per-request search budget's bound (:meth:`search_budget`)
 
     def search_budget(self, cap: int) -> int:
         """Draft nodes per request to search before :meth:`choose` (module docstring), at most ``cap``."""
+        self.cap = cap
         exploring = self.explore_every and (self.choices + 1) % self.explore_every == 0
         if self.reach is None or exploring:
             return cap
@@ -204,18 +247,22 @@ class BudgetController:
         tier = np.where(rank < self.min, 0, 1)
         req = np.broadcast_to(np.arange(B)[:, None], key.shape)
         flat = np.flatnonzero(key > -math.inf)  # row-major: (request, rank) ascending
-        k_tier, k_score, k_req = (x.reshape(-1)[flat] for x in (tier, key, req))
+        k_tier, k_score, k_req, k_rank = (x.reshape(-1)[flat] for x in (tier, key, req, rank))
         g = np.argsort(-k_score, kind="stable")
         g = g[np.argsort(k_tier[g], kind="stable")]
         node_req, rho, forced = k_req[g], np.exp(k_score[g]), int((k_tier == 0).sum())
         n = np.arange(node_req.size + 1)
+        # the search each total leads to: twice its largest per-request budget (a request's nodes are taken in
+        # rank order), within [SEARCH_FLOOR, cap] (:meth:`search_budget`)
+        reach = np.concatenate([[0], np.maximum.accumulate(k_rank[g] + 1)])
+        search = np.minimum(self.cap or lr.shape[1], np.maximum(SEARCH_FLOOR, 2 * reach))
         expected = B + np.concatenate([[0.0], np.cumsum(rho)])
         pairs = kv.sum() + B + np.concatenate([[0.0], np.cumsum(kv[node_req] + 1)])
         bucket = self.bucket(B + n)
         prior = self.cost.prior.seconds(B, bucket, pairs, float(kv.sum()))
-        cost = prior * self.cost.correction(bucket)
+        cost = self.cost.seconds(bucket, prior)
         cand = n >= forced
-        step = cost + self.draft.at(B, n) + self.rest.at(B, n)  # the whole tree step's time
+        step = cost + self.draft.at(B, B * search) + self.rest.at(B, n)  # the whole tree step's time
         if self.eps is not None:
             cand &= step <= (1 + self.eps) * step[0]
         if not cand.any():
@@ -234,7 +281,8 @@ class BudgetController:
         budgets = np.bincount(node_req[:best], minlength=B).astype(np.int64)
         self.reach = int(budgets.max()) if B else 0
         return Choice(budgets=torch.from_numpy(budgets), total=best, bucket=int(bucket[best]),
-                      predicted_s=float(cost[best]), prior_s=float(prior[best]), expected_tokens=float(expected[best]))
+                      predicted_s=float(cost[best]), prior_s=float(prior[best]), expected_tokens=float(expected[best]),
+                      searched=B * lr.shape[1])
 
 
 def _host(x) -> np.ndarray:
