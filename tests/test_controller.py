@@ -207,7 +207,7 @@ def test_fixed_step_time_counts_against_the_step(fixed):
 
 
 def test_exploration_measures_the_next_buckets():
-    """Every ``explore_every``-th choice takes the next larger bucket, half-way between the next smaller one."""
+    """Every ``explore_every``-th choice takes the next larger bucket, half-way between half the nodes."""
     g = torch.Generator().manual_seed(5)
     full = best_first_slots(torch.arange(4), random_candidates(g, 4, 6, 4), 16, max_depth=6)
     ctl = BudgetController(StepCostModel(roofline(params_active=8e10, overhead_s=0.0)), eps=None,
@@ -217,7 +217,7 @@ def test_exploration_measures_the_next_buckets():
     ctl.draft.observe(4, 0, 1.0)  # a fixed time that dwarfs the forward: every node pays
     paid = [ctl.choose(full.logrho, full.valid, [50] * 4) for _ in range(4)]
     assert int(full.valid.sum()) - 4 == 64  # all 64 nodes: bucket 128; the best 60 (bucket 64)
-    assert [(c.bucket, c.total) for c in paid] == [(64, 60), (32, 28), (64, 60), (128, 64)]  # best, smaller, best, larger
+    assert [(c.bucket, c.total) for c in paid] == [(64, 60), (64, 30), (64, 60), (128, 64)]  # best, half, best, larger
 
 
 def test_node_times_fit_a_line_per_batch_bucket():
@@ -234,8 +234,8 @@ def test_node_times_fit_a_line_per_batch_bucket():
     t.observe(4, 8, 1e-4)
     t.observe(4, 8, 1e-4)
     assert t.line(4)[1] >= 0  # time never falls with the nodes
-    t.observe(64, 100, 6e-3)  # a new bucket (its first sample within 4x of the nearest one's line)
-    assert t.line(64) == (6e-3, 0.0) and t.line(4) != t.line(64)
+    t.observe(64, 100, 9e-3)
+    assert t.line(64) == (9e-3, 0.0) and t.line(4) != t.line(64)
 
 
 def test_the_controller_learns_what_larger_trees_cost_around_the_forward():
@@ -281,12 +281,12 @@ def _rate(full, budgets, searched, forward, drafting, rest, kv):
     return tokens / (t + drafting(searched) + rest)
 
 
-def test_noisy_step_times_over_a_narrow_range_are_no_slope():
+def test_noisy_step_times_are_measured_over_node_counts_apart():
     """The H100 at 992f2cd, c = 128 (module docstring): drafting and host times noisy (up to several times their
-    median), node counts within a narrow range; a least-squares slope there read noise as ms per node and the
-    controller chose ~4.1 nodes a request (0.93x the best fixed budget's tokens per second in this loop). Closed
-    loop, 128 requests with fresh trees every step, the drafting ~0.6 us a searched node: the steady choice gives
-    at least 0.98x the tokens per second of the best fixed budget, and neither line keeps a slope."""
+    median). Closed loop, 128 requests with fresh trees every step, the drafting ~0.6 us a searched node, the
+    rest flat: the steady choice gives at least 0.98x the tokens per second of the best fixed budget (0.99x). With
+    the exploration of the next smaller bucket (here one node less) and the drafting fitted in the chosen nodes,
+    the slopes were fitted to noise and the choice was ~4.6 nodes a request: 0.95x."""
     g, noise = torch.Generator().manual_seed(1), np.random.default_rng(0)
     B, D, K, cap, kv, rest = 128, 8, 4, 16, 200, 8e-3
     roots, flat = torch.arange(B), roofline(overhead_s=1e-3)
@@ -309,21 +309,6 @@ def test_noisy_step_times_over_a_narrow_range_are_no_slope():
             for b in fixed:
                 fixed[b] += _rate(full, [b] * B, B * b, flat, drafting, rest, kv)
     assert sum(rates) >= 0.98 * max(fixed.values())
-    assert ctl.draft.line(B)[1] == ctl.rest.line(B)[1] == 0.0
-
-
-def test_node_times_slope_needs_evidence():
-    """A slope is kept where the node counts spread beyond the noise (less two standard errors), not where
-    the times vary alone."""
-    noise = np.random.default_rng(3)
-    flat, steep = NodeTimes(), NodeTimes()
-    for _ in range(200):
-        n = int(noise.integers(200, 400))
-        flat.observe(128, n, 4e-3 * (1 + noise.exponential()))
-        n = int(noise.integers(0, 2048))
-        steep.observe(128, n, (2e-3 + 1e-6 * n) * (1 + 0.2 * noise.standard_normal()))
-    assert flat.line(128)[1] == 0.0
-    assert 0.6e-6 < steep.line(128)[1] < 1.1e-6
 
 
 def test_search_is_bounded_by_the_last_choice():
@@ -351,7 +336,7 @@ def test_search_is_bounded_by_the_last_choice():
         assert ctl.reach == reach <= bound
         want = best_first_tree(roots, cands, ch.budgets, max_depth=D)
         assert torch.equal(tree.token_ids, want.token_ids) and torch.equal(tree.parent, want.parent)
-    assert bounds == [32, 8, 8, 32, 8, 8]
+    assert bounds == [32, 8, 4, 32, 8, 8]  # the second choice explores half the nodes: a smaller search after it
 
 
 def test_active_params_of_an_moe():

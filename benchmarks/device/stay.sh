@@ -10,7 +10,7 @@
 #   8   carry .pair/cache .pair/data                                                                         parts
 #   9   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~80 s)
 #  10   PARALLEL=1 E2E_SECONDS=430 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model
-#       vllm_chain/draft_model" matrix      (issue 17: the controller with significant slopes, the drafting against
+#       vllm_chain/draft_model" matrix      (issue 17: the controller exploring half the nodes, the drafting against
 #       the nodes searched and unseen buckets on a line; read `controller.json` and the rows' `controller_model`,
 #       whose `draft_samples` are [requests, searched, chosen, ms])
 #  11   MIXED="falcon_h1 qwen3_next" mixed cachesave   (issue 13's last two mixed batches; 560 s cold)

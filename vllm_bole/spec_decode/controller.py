@@ -12,25 +12,22 @@ requests' context lengths and its measured step times.
   an unseen bucket lies on the line ``a + r * prior`` through the seen buckets, not at the nearest seen
   one's ratio: on the H100 at 992f2cd (the 70M pair, c = 128) every bucket up to 512 tokens measured
   ~25x its prior (the host work around a forward the prior puts at ~0.3 ms, flat in the tokens), and that
-  ratio carried onto the prior's flops-bound buckets (above ~1200 tokens) made 16 nodes a request look
-  ~1.5x dearer than 3 where the runs of fixed budgets measured their steps within 1.3x.
+  ratio carried onto the prior's flops-bound buckets (above ~1200 tokens) made the forward of 16 nodes a
+  request look 1.5-2x that of 3, where the fixed budgets' runs (8 and 16) measured their whole steps within 1.3x.
 * :class:`NodeTimes`: the step's time beside the forward, its drafting and its rest, each ``a + b * nodes``
   per batch bucket (requests rounded up to a power of two), fitted online: the drafting in the nodes the
   search reached for (requests x the per-request search budget), the rest in the step's chosen draft nodes.
   The forward is flat within a CUDA-graph bucket, but drafting and the host's work grow with every node: on
   the H200 at ebdbbaa (c = 1, the 70M pair) 16 nodes a request took 1.3 ms a step more than 8, and with one
   number for the drafting and one for the rest the controller chose 16 where 8 gave 1.16x the tokens per
-  second. The drafting is the search's, not the chosen trees': on the H100 at 992f2cd (c = 128) the
-  controller chose 2.6 nodes a request, drafting for 4.6 ms a step, where budget 8 (5.7 a request chosen
-  and searched 8) drafted for 3.2 ms and gave 1.56x the tokens per second: its search ran at twice the
-  batch's largest choice (one confident request's), and a line in the chosen nodes read that search's cost
-  as 0.014 ms a chosen node (16x the slope between budgets 8 and 16).
+  second. The drafting is the search's, not the chosen trees' (every request is searched at one budget,
+  twice the batch's largest choice: :meth:`BudgetController.search_budget`), so a choice is priced with
+  the search it leads to: one request's deep tree against the search it makes every request pay for.
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
   by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
   estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting(B * search(N)) + rest(N))``
-  (``search(N)``: the bounded search that choice leads to, below, so that one request's deep tree is
-  weighed against the search it makes every request pay for; ``rest``:
+  (``search(N)``: the bounded search that choice leads to, below; ``rest``:
   the engine step's time around the forward and the drafting, its scheduling and output processing,
   measured by the engine; without it, on the H200 at 59e0ecd, the choice at 32 requests was ~6 nodes
   a request where 16 gave 1.09x the tokens per second: a step's fixed ~4 ms of host work was
@@ -43,8 +40,11 @@ requests' context lengths and its measured step times.
   with poor acceptance scores low and gets a small tree; one without candidates gets none. Every
   16th choice explores the next larger bucket, filled (the cap still holds), so a prior that overrates the
   cost of larger buckets (an MoE model's inactive experts, say) gets corrected by measurement, and
-  every 16th, half-way between, the next smaller one (node counts apart, so that the times' slopes are
-  measured).
+  every 16th, half-way between, half the nodes, so that the times' slopes are measured over node counts
+  far enough apart: with the next smaller bucket instead (often a node or a few less, and above the
+  largest CUDA-graph size one token less) the slopes were fitted to noise, and on the H100 at 992f2cd the
+  controller at c = 128 chose 2.6 nodes a request where budget 8 (5.7 chosen) gave 1.56x the tokens per
+  second, its drafting line at 0.014 ms a node where the fixed budgets' runs differ by 0.0009.
   :meth:`BudgetController.search_budget` bounds the search the trees are cut from: twice the largest
   per-request budget chosen last (at least ``SEARCH_FLOOR``), the full cap before the first choice
   and before every exploring one. Seen on the H200 (198194b, c = 128): searching at the cap every
@@ -140,30 +140,20 @@ class StepCostModel:
 class NodeTimes:
     """Seconds of a part of the step as ``a + b * nodes`` per batch bucket (requests rounded up to a power of
     two; an unseen bucket reads the nearest seen one's line, none: 0), by exponentially weighted least
-    squares (a sample weighs ``alpha``); a sample counts as at most ``clip`` times the line's value there (a
-    step that compiled kernels). The slope is the fitted one less two of its standard errors, at least 0 (0
-    until two node counts were seen): noise over a narrow range of node counts is no slope. Seen on the H100
-    at 992f2cd (c = 128, 300 +- 100 nodes a step, drafting 4.2 ms p50 and 9.6 max): a fitted 0.014 ms a node,
-    which put 30 ms of drafting on 16 nodes a request where budget 16 drafted for 3.8 ms."""
+    squares (a sample weighs ``alpha``) with ``b >= 0`` (0 until two node counts were seen); a sample counts
+    as at most ``clip`` times the line's value there (a step that compiled kernels)."""
     alpha: float = 0.05
     clip: float = 4.0
-    means: dict = field(default_factory=dict)  # batch bucket -> weighted means of [n, n^2, t, n t, t^2]
-    weight2: dict = field(default_factory=dict)  # batch bucket -> sum of the squared weights (1 / samples)
+    means: dict = field(default_factory=dict)  # batch bucket -> weighted means of [n, n^2, t, n t]
 
     def line(self, batch: int) -> tuple[float, float]:
         """(a, b) seconds of the batch's bucket."""
         if not self.means:
             return 0.0, 0.0
         k = math.log2(_batch_bucket(batch))
-        key = min(self.means, key=lambda s: abs(math.log2(s) - k))
-        n, nn, t, nt, tt = self.means[key]
+        n, nn, t, nt = self.means[min(self.means, key=lambda s: abs(math.log2(s) - k))]
         var = nn - n * n
-        b = 0.0
-        if var > 1e-6 * max(n * n, 1.0):
-            fit = (nt - n * t) / var
-            resid = max(tt - t * t - fit * fit * var, 0.0)
-            dof = max(1.0 / self.weight2[key] - 2.0, 1.0)
-            b = max(fit - 2.0 * math.sqrt(resid / (var * dof)), 0.0)
+        b = max((nt - n * t) / var, 0.0) if var > 1e-6 * max(n * n, 1.0) else 0.0
         return max(t - b * n, 0.0), b
 
     def at(self, batch: int, nodes) -> np.ndarray:
@@ -175,12 +165,10 @@ class NodeTimes:
             return
         ref = float(self.at(batch, nodes))
         sample = min(sample, self.clip * ref) if ref > 0 else sample
-        x = np.array([nodes, nodes * nodes, sample, nodes * sample, sample * sample], dtype=np.float64)
+        x = np.array([nodes, nodes * nodes, sample, nodes * sample], dtype=np.float64)
         k = _batch_bucket(batch)
         old = self.means.get(k)
         self.means[k] = x if old is None else (1 - self.alpha) * old + self.alpha * x
-        w2 = self.weight2.get(k)
-        self.weight2[k] = 1.0 if w2 is None else (1 - self.alpha) ** 2 * w2 + self.alpha ** 2
 
 
 def _batch_bucket(batch: int) -> int:
@@ -275,8 +263,8 @@ class BudgetController:
         if phase == 0:  # the next larger bucket, filled
             larger = np.flatnonzero(cand & (bucket > bucket[best]))
             best = int(np.flatnonzero(cand & (bucket == bucket[larger[0]]))[-1]) if larger.size else best
-        elif phase == every // 2:
-            smaller = np.flatnonzero(cand & (bucket < bucket[best]))
+        elif phase == every // 2:  # half the nodes
+            smaller = np.flatnonzero(cand & (n <= best // 2))
             best = int(smaller[-1]) if smaller.size else best
         budgets = np.bincount(node_req[:best], minlength=B).astype(np.int64)
         self.reach = int(budgets.max()) if B else 0
