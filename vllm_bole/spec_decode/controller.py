@@ -99,7 +99,7 @@ class StepCostModel:
     # dominate the bucket for dozens of steps (seen: 162 ms predicted against 11 ms measured)
     clip: float = 4.0
     ratio: dict = field(default_factory=dict)  # bucket -> measured / prior
-    points: dict = field(default_factory=dict)  # bucket -> weighted means of [prior s, measured s]
+    points: dict = field(default_factory=dict)  # bucket -> weighted means (prior s, measured s)
 
     def seconds(self, buckets, prior) -> np.ndarray:
         """``[n]`` predicted seconds of forwards over token buckets ``[n]`` whose prior is ``prior`` ``[n]``: a seen
@@ -117,11 +117,13 @@ class StepCostModel:
         return out
 
     def _line(self) -> tuple[float, float]:
-        p, m = np.array(list(self.points.values()), dtype=np.float64).T
-        var = p.var()
-        r = ((p - p.mean()) * (m - m.mean())).mean() / var if var > 1e-6 * p.mean() ** 2 else 1.0
+        """(a, r) through the seen buckets' points (plain Python: ~20 points, every step)."""
+        pts, k = self.points.values(), len(self.points)
+        mp, mm = sum(p for p, _ in pts) / k, sum(m for _, m in pts) / k
+        var = sum((p - mp) ** 2 for p, _ in pts) / k
+        r = sum((p - mp) * (m - mm) for p, m in pts) / k / var if var > 1e-6 * mp * mp else 1.0
         r = min(max(r, 0.0), max(self.ratio.values()))
-        return float(m.mean() - r * p.mean()), r
+        return mm - r * mp, r
 
     def observe(self, bucket: int, predicted_prior_s: float, measured_s: float) -> None:
         """One measured forward of token bucket ``bucket`` whose prior predicted ``predicted_prior_s``."""
@@ -131,9 +133,10 @@ class StepCostModel:
         old = self.ratio.get(bucket)
         ref = old if old is not None else float(self.seconds([bucket], [predicted_prior_s])[0]) / predicted_prior_s
         r = min(max(measured_s / predicted_prior_s, ref / self.clip), ref * self.clip)
-        x = np.array([predicted_prior_s, r * predicted_prior_s])
-        self.ratio[bucket] = r if old is None else (1 - self.alpha) * old + self.alpha * r
-        self.points[bucket] = x if old is None else (1 - self.alpha) * self.points[bucket] + self.alpha * x
+        w = 1.0 if old is None else self.alpha
+        p, m = self.points.get(bucket, (0.0, 0.0))
+        self.ratio[bucket] = r if old is None else (1 - w) * old + w * r
+        self.points[bucket] = ((1 - w) * p + w * predicted_prior_s, (1 - w) * m + w * r * predicted_prior_s)
 
 
 @dataclass
