@@ -20,8 +20,8 @@ requests' context lengths and its measured step times.
   The forward is flat within a CUDA-graph bucket, but drafting and the host's work grow with every node: on
   the H200 at ebdbbaa (c = 1, the 70M pair) 16 nodes a request took 1.3 ms a step more than 8, and with one
   number for the drafting and one for the rest the controller chose 16 where 8 gave 1.16x the tokens per
-  second. The drafting is the search's, not the chosen trees' (every request is searched at one budget,
-  twice the batch's largest choice: :meth:`BudgetController.search_budget`), so a choice is priced with
+  second. The drafting is the search's, not the chosen trees' (every request is searched at one budget, 1.5x
+  the batch's largest choice: :meth:`BudgetController.search_budget`), so a choice is priced with
   the search it leads to: one request's deep tree against the search it makes every request pay for.
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
@@ -45,12 +45,14 @@ requests' context lengths and its measured step times.
   largest CUDA-graph size one token less) the slopes were fitted to noise, and on the H100 at 992f2cd the
   controller at c = 128 chose 2.6 nodes a request where budget 8 (5.7 chosen) gave 1.56x the tokens per
   second, its drafting line at 0.014 ms a node where the fixed budgets' runs differ by 0.0009.
-  :meth:`BudgetController.search_budget` bounds the search the trees are cut from: twice the largest
-  per-request budget chosen last (at least ``SEARCH_FLOOR``), the full cap before the first choice
-  and before every exploring one. Seen on the H200 (198194b, c = 128): searching at the cap every
-  step made drafting 20 ms against 8 ms for the budget the controller then chose. The cut trees are
-  the same best-first trees (``Slots.tree(budget)``) whenever the choice stays below the bound; the bound
-  only limits how fast the choice grows (2x per step).
+  :meth:`BudgetController.search_budget` bounds the search the trees are cut from: ``SEARCH_GROWTH``
+  (1.5) times the largest per-request budget chosen last (at least ``SEARCH_FLOOR``), the full cap before
+  the first choice and before every exploring one. Seen on the H200 (198194b, c = 128): searching at the
+  cap every step made drafting 20 ms against 8 ms for the budget the controller then chose. The cut trees
+  are the same best-first trees (``Slots.tree(budget)``) whenever the choice stays below the bound; the
+  bound only limits how fast the choice grows (1.5x per step; until 992f2cd 2x, so that at c = 1 a choice of
+  8 searched 16, ~0.25 ms a step more drafting than budget 8 on the H100; in ``tests/test_controller.py``'s
+  closed loops 1.5x gives 0.96-0.99x the best fixed budget, 2x 0.93-0.99x).
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ import torch
 
 __all__ = ["BudgetController", "Choice", "NodeTimes", "Roofline", "StepCostModel"]
 SEARCH_FLOOR = 4  # draft nodes per request the bounded search always allows
+SEARCH_GROWTH = 1.5  # the bounded search: this times the last choice's largest per-request budget (module docstring)
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ class BudgetController:
         exploring = self.explore_every and (self.choices + 1) % self.explore_every == 0
         if self.reach is None or exploring:
             return cap
-        return min(cap, max(SEARCH_FLOOR, 2 * self.reach))
+        return min(cap, max(SEARCH_FLOOR, math.ceil(SEARCH_GROWTH * self.reach)))
 
     def bucket(self, tokens) -> np.ndarray:
         """The padded token count of forwards over ``tokens`` tokens."""
@@ -243,10 +246,10 @@ class BudgetController:
         g = g[np.argsort(k_tier[g], kind="stable")]
         node_req, rho, forced = k_req[g], np.exp(k_score[g]), int((k_tier == 0).sum())
         n = np.arange(node_req.size + 1)
-        # the search each total leads to: twice its largest per-request budget (a request's nodes are taken in
-        # rank order), within [SEARCH_FLOOR, cap] (:meth:`search_budget`)
+        # the search each total leads to: SEARCH_GROWTH times its largest per-request budget (a request's nodes
+        # are taken in rank order), within [SEARCH_FLOOR, cap] (:meth:`search_budget`)
         reach = np.concatenate([[0], np.maximum.accumulate(k_rank[g] + 1)])
-        search = np.minimum(self.cap or lr.shape[1], np.maximum(SEARCH_FLOOR, 2 * reach))
+        search = np.minimum(self.cap or lr.shape[1], np.maximum(SEARCH_FLOOR, np.ceil(SEARCH_GROWTH * reach)))
         expected = B + np.concatenate([[0.0], np.cumsum(rho)])
         pairs = kv.sum() + B + np.concatenate([[0.0], np.cumsum(kv[node_req] + 1)])
         bucket = self.bucket(B + n)
