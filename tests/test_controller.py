@@ -52,7 +52,7 @@ def test_cost_model_learns_per_bucket():
     # seen: 8 at (1, 3) ms, 64 at (2, 3) ms: flat, r = 0; an unseen bucket 3 ms, or its prior where that is more
     assert m.seconds([8, 64, 16, 1000], [1e-3, 1e-3, 5e-4, 5e-3]).tolist() == pytest.approx([3e-3, 1.5e-3, 3e-3, 5e-3])
     m.observe(512, 4e-3, 7e-3)  # the line through (1, 3), (2, 3), (4, 7): r = 1.43, within the largest ratio (3)
-    a, r = m._line()
+    a, r = m.line()
     assert r == pytest.approx(10 / 7) and a == pytest.approx(13 / 3 * 1e-3 - r * 7 / 3 * 1e-3)
     assert m.seconds([1024], [8e-3]).tolist() == pytest.approx([a + r * 8e-3])
 
@@ -423,6 +423,8 @@ def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
     assert sb.ctl.draft.line(4) == (pytest.approx(0.003), 0.0) and sb.stats["budget_buckets"] == {24: 4}
     assert sb.model()["draft"] == {4: [pytest.approx(3.0), 0.0]}
     assert sb.model()["draft_samples"] == [[4, 32, 16, 3.0]] * 4  # [requests, searched, chosen, ms]
+    (prior, measured), = sb.ctl.cost.points.values()  # one bucket seen: unseen ones its excess over the prior
+    assert measured == pytest.approx(2e-3) and sb.model()["forward_line"] == [round(1000 * (2e-3 - prior), 4), 1.0]
     sb.start()
     sb.step_begun(4, tree=True, prefill=False, changed=False)
     assert sb.ctl.rest.line(4) == (pytest.approx(0.95 * 0.005 + 0.05 * 4 * 0.005), 0.0)

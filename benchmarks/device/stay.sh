@@ -15,7 +15,8 @@
 #       whose `draft_samples` are [requests, searched, chosen, ms])
 #  11   MIXED="falcon_h1 qwen3_next" mixed cachesave   (issue 13's last two mixed batches; 560 s cold)
 #  12   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
-#  then, as time allows: PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile; online; treegraphs.
+#  then, as time allows: PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile; `newarchs` (issue 19's Zamba2
+#  draft-model row, with the compile caches now carried); online; treegraphs.
 # 2026-12-05 (25th session, 992f2cd): an H100 at the first call; parts x3 + the cache piece, `install` (78 s), `parts
 # train keep` (454 s), the matrix as in 10 with the async trees and `keep` (458 s; all eight pieces home), `targets
 # cachesave` with BUDGETS=16,32 (187 s), MIXED=granitemoehybrid MIXED_SECONDS=420 `mixed cachesave` (273 s: passed),

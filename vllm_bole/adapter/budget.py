@@ -107,15 +107,18 @@ class StepBudget:
         self.next_search = (len(choice.budgets), choice.searched)
 
     def model(self) -> dict:
-        """What the controller has learnt: the forward's ratio to its prior per token bucket; drafting and the
-        rest per batch bucket as [ms, ms per draft node] (searched nodes for the drafting, chosen for the rest);
-        the last drafting samples as [requests, searched, chosen, ms]."""
+        """What the controller has learnt: the forward's ratio to its prior per token bucket and, for the buckets
+        not seen, its line [ms, per prior second] through them; drafting and the rest per batch bucket as [ms, ms
+        per draft node] (searched nodes for the drafting, chosen for the rest); the last drafting samples as
+        [requests, searched, chosen, ms]."""
         if self.ctl is None:
             return {}
         c = self.ctl
         line = lambda t: {k: [round(1000 * v, 4) for v in t.line(k)] for k in sorted(t.means)}  # noqa: E731
-        return dict(forward_ratio={b: round(r, 4) for b, r in sorted(c.cost.ratio.items())}, draft=line(c.draft),
-                    rest=line(c.rest), draft_samples=list(self.drafts))
+        a, r = c.cost.line() if c.cost.points else (0.0, 1.0)
+        return dict(forward_ratio={b: round(r, 4) for b, r in sorted(c.cost.ratio.items())},
+                    forward_line=[round(1000 * a, 4), round(r, 4)], draft=line(c.draft), rest=line(c.rest),
+                    draft_samples=list(self.drafts))
 
     def drafted(self, seconds: float) -> None:
         """The step under way drafted the next step's trees for ``seconds``: a sample of the controller's

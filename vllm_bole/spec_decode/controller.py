@@ -112,14 +112,14 @@ class StepCostModel:
         buckets, prior = np.asarray(buckets, dtype=np.int64), np.asarray(prior, dtype=np.float64)
         if not self.ratio:
             return prior.copy()
-        a, r = self._line()
+        a, r = self.line()
         out = np.maximum(a + r * prior, prior)
         for bucket, ratio in self.ratio.items():
             hit = buckets == bucket
             out[hit] = prior[hit] * ratio
         return out
 
-    def _line(self) -> tuple[float, float]:
+    def line(self) -> tuple[float, float]:
         """(a, r) through the seen buckets' points (plain Python: ~20 points, every step)."""
         pts, k = self.points.values(), len(self.points)
         mp, mm = sum(p for p, _ in pts) / k, sum(m for _, m in pts) / k
