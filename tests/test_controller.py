@@ -9,7 +9,8 @@ import torch
 
 from vllm_bole.spec_decode.best_first import best_first_slots, best_first_tree
 from vllm_bole.spec_decode.candidates import Candidates
-from vllm_bole.spec_decode.controller import SEARCH_FLOOR, BudgetController, Choice, NodeTimes, Roofline, StepCostModel
+from vllm_bole.spec_decode.controller import (SEARCH_FLOOR, SEARCH_GROWTH, BudgetController, Choice, NodeTimes,
+                                              Roofline, StepCostModel)
 from vllm_bole.spec_decode.step import draft_trees
 
 H200ISH = dict(weight_bytes=2e9, params_active=1e9, kv_bytes_per_token=4e4, attn_flops_per_pair=1e5, state_bytes=3e7,
@@ -262,8 +263,9 @@ def test_the_controller_learns_what_larger_trees_cost_around_the_forward():
     rho = full.logrho[0, 1:][full.valid[0, 1:]].exp().sort(descending=True).values.double()
     n = torch.arange(rho.numel() + 1)
     forward = torch.as_tensor(flat.seconds(1, ctl.bucket(1 + n.numpy()), (201 + n * 201).numpy(), 200.0))
-    search = (2 * n).clamp(SEARCH_FLOOR, 16).double()  # the search a choice of n nodes leads to
-    tput = (1 + torch.cat([torch.zeros(1, dtype=torch.double), rho.cumsum(0)])) / (forward + around(search) + around(n.double()))
+    search = torch.ceil(SEARCH_GROWTH * n).clamp(SEARCH_FLOOR, 16)  # the search a choice of n nodes leads to
+    tokens = 1 + torch.cat([torch.zeros(1, dtype=torch.double), rho.cumsum(0)])
+    tput = tokens / (forward + around(search) + around(n.double()))
     best = int(tput.argmax())
     assert 0 < best < int(n[-1]) and abs(ch.total - best) <= 1  # the best tree under the true times, not the largest
     blind = BudgetController(StepCostModel(flat), eps=None, buckets=buckets)
@@ -333,8 +335,6 @@ def test_search_is_bounded_by_the_last_choice():
     """The search before a choice reaches SEARCH_GROWTH times the last choice's largest per-request budget (at least
     SEARCH_FLOOR), the full cap before the first choice and before each exploring one; trees cut from the
     bounded search equal best-first trees of the chosen budgets."""
-    from vllm_bole.spec_decode.controller import SEARCH_GROWTH
-
     g = torch.Generator().manual_seed(11)
     B, D, K = 6, 6, 4
     cands = random_candidates(g, B, D, K)
@@ -354,7 +354,8 @@ def test_search_is_bounded_by_the_last_choice():
         assert ctl.reach == reach <= bound
         want = best_first_tree(roots, cands, ch.budgets, max_depth=D)
         assert torch.equal(tree.token_ids, want.token_ids) and torch.equal(tree.parent, want.parent)
-    assert bounds == [32, 6, 4, 32, 6, 6]  # choices of 4 nodes search 6; the second choice explores half the nodes: a smaller search after it
+    # choices of 4 nodes search 6; the second explores half the nodes, a smaller search after it
+    assert bounds == [32, 6, 4, 32, 6, 6]
 
 
 def test_active_params_of_an_moe():

@@ -114,9 +114,10 @@ class StepCostModel:
             return prior.copy()
         a, r = self.line()
         out = np.maximum(a + r * prior, prior)
-        for bucket, ratio in self.ratio.items():
-            hit = buckets == bucket
-            out[hit] = prior[hit] * ratio
+        seen = np.array(sorted(self.ratio), dtype=np.int64)  # above the CUDA-graph sizes every token count is one
+        i = np.minimum(np.searchsorted(seen, buckets), seen.size - 1)
+        hit = seen[i] == buckets
+        out[hit] = prior[hit] * np.array([self.ratio[int(k)] for k in seen])[i[hit]]
         return out
 
     def line(self) -> tuple[float, float]:
