@@ -238,14 +238,12 @@ class BudgetController:
         lr = np.where(_host(valid), _host(logrho).astype(np.float64), -math.inf)[:, 1:]  # the trees may be on the GPU
         # each request's draft nodes by score; the first ``min`` are taken first, then the batch by score
         key = np.sort(lr, axis=1)[:, ::-1]
-        rank = np.broadcast_to(np.arange(key.shape[1]), key.shape)
-        tier = np.where(rank < self.min, 0, 1)
-        req = np.broadcast_to(np.arange(B)[:, None], key.shape)
         flat = np.flatnonzero(key > -math.inf)  # row-major: (request, rank) ascending
-        k_tier, k_score, k_req, k_rank = (x.reshape(-1)[flat] for x in (tier, key, req, rank))
-        g = np.argsort(-k_score, kind="stable")
-        g = g[np.argsort(k_tier[g], kind="stable")]
-        node_req, rho, forced = k_req[g], np.exp(k_score[g]), int((k_tier == 0).sum())
+        k_score = key.reshape(-1)[flat]
+        k_req, k_rank = np.divmod(flat, key.shape[1])
+        later = k_rank >= self.min  # past a request's first ``min``
+        g = np.lexsort((-k_score, later))  # stable: equal scores keep (request, rank) order
+        node_req, rho, forced = k_req[g], np.exp(k_score[g]), int(flat.size - later.sum())
         n = np.arange(node_req.size + 1)
         # the search each total leads to: SEARCH_GROWTH times its largest per-request budget (a request's nodes
         # are taken in rank order), within [SEARCH_FLOOR, cap] (:meth:`search_budget`)
