@@ -61,7 +61,7 @@ class StepBudget:
         self.last: dict | None = None  # the engine step under way, as the switch samples it
         self.decided: bool | None = None  # the switch's choice for the next step (None: it made none)
         self.next_trees: tuple[int, int] | None = None  # (requests, draft nodes) of the trees drafted for the next step
-        self.next_search: tuple[int, int] | None = None  # (requests, draft nodes searched) of that drafting
+        self.drafting: Choice | None = None  # the choice of those trees, until :meth:`drafted` samples its drafting
         self.drafts = collections.deque(maxlen=64)  # the last drafting samples: [requests, searched, chosen, ms]
         self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], budget_buckets={}, observed_steps=0,
                           predicted_step_s=0.0, measured_step_s=0.0, plain_decode_steps=0)
@@ -104,7 +104,7 @@ class StepBudget:
         st["budget_last"] = choice.budgets.tolist()
         st["budget_buckets"][choice.bucket] = st["budget_buckets"].get(choice.bucket, 0) + 1
         self.predicted_s, self.next_trees = choice.predicted_s, (len(choice.budgets), choice.total)
-        self.next_search = (len(choice.budgets), choice.searched)
+        self.drafting = choice
 
     def model(self) -> dict:
         """What the controller has learnt: the forward's ratio to its prior per token bucket and, for the buckets
@@ -124,10 +124,10 @@ class StepBudget:
         """The step under way drafted the next step's trees for ``seconds``: a sample of the controller's
         drafting time at the nodes that search reached for, and the part of this step's interval that is not its rest
         (:meth:`step_begun`)."""
-        if self.ctl is not None and self.next_search is not None:
-            self.ctl.draft.observe(*self.next_search, seconds)
-            self.drafts.append([*self.next_search, self.next_trees[1], round(1000 * seconds, 3)])
-        self.next_search = None
+        c, self.drafting = self.drafting, None
+        if self.ctl is not None and c is not None:
+            self.ctl.draft.observe(len(c.budgets), c.searched, seconds)
+            self.drafts.append([len(c.budgets), c.searched, c.total, round(1000 * seconds, 3)])
         if self.last is not None:
             self.last["draft_s"] = seconds
 
