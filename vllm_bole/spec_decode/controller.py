@@ -22,7 +22,12 @@ requests' context lengths and its measured step times.
   number for the drafting and one for the rest the controller chose 16 where 8 gave 1.16x the tokens per
   second. The drafting is the search's, not the chosen trees' (every request is searched at one budget, 1.5x
   the batch's largest choice: :meth:`BudgetController.search_budget`), so a choice is priced with
-  the search it leads to: one request's deep tree against the search it makes every request pay for.
+  the search it leads to: one request's deep tree against the search it makes every request pay for. It is learnt
+  at that same search budget (``Choice.searched``), not at the trees' width: on the H100 at f428370 the paged
+  draft's slots were the cap's 32 whatever the budget, the drafting line got fitted to the drifting batch alone
+  (through the origin, 0.0055 ms a node at c = 32) and priced at requests x 6-32, and the controller chose 5.3
+  nodes a request where budget 8 gave 1.5x its tokens per second. The paged draft's step costs the same at every
+  search budget (fixed shapes), so its line comes out flat.
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
   by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
@@ -190,7 +195,9 @@ class Choice:
     predicted_s: float  # corrected cost of that forward
     prior_s: float  # the prior alone (what ``StepCostModel.observe`` compares against)
     expected_tokens: float  # B + sum rho of the chosen nodes
-    searched: int  # draft nodes the search reached for: B x the per-request search budget
+    # draft nodes the search reached for: B x the per-request search budget (:meth:`BudgetController.search_budget`;
+    # not the trees' width: the paged draft's step searches in slots of the full cap whatever the budget)
+    searched: int
 
 
 class BudgetController:
@@ -209,14 +216,15 @@ class BudgetController:
         self.explore_every, self.choices = explore_every, 0
         self.reach: int | None = None  # the largest per-request budget of the last choice
         self.cap: int | None = None  # the per-request search budget's bound (:meth:`search_budget`)
+        self.searching: int | None = None  # the per-request search budget the next choice's trees were searched at
 
     def search_budget(self, cap: int) -> int:
         """Draft nodes per request to search before :meth:`choose` (module docstring), at most ``cap``."""
         self.cap = cap
         exploring = self.explore_every and (self.choices + 1) % self.explore_every == 0
-        if self.reach is None or exploring:
-            return cap
-        return min(cap, max(SEARCH_FLOOR, math.ceil(SEARCH_GROWTH * self.reach)))
+        full = self.reach is None or exploring
+        self.searching = cap if full else min(cap, max(SEARCH_FLOOR, math.ceil(SEARCH_GROWTH * self.reach)))
+        return self.searching
 
     def bucket(self, tokens) -> np.ndarray:
         """The padded token count of forwards over ``tokens`` tokens."""
@@ -275,7 +283,7 @@ class BudgetController:
         self.reach = int(budgets.max()) if B else 0
         return Choice(budgets=torch.from_numpy(budgets), total=best, bucket=int(bucket[best]),
                       predicted_s=float(cost[best]), prior_s=float(prior[best]), expected_tokens=float(expected[best]),
-                      searched=B * lr.shape[1])
+                      searched=B * (self.searching or lr.shape[1]))
 
 
 def _host(x) -> np.ndarray:
