@@ -24,6 +24,7 @@ from vllm_bole.spec_decode.verification import (
     verify_greedy,
     verify_rejection,
 )
+from vllm_bole.testing.oracles import random_tree, random_tree_batch
 from vllm_bole.testing.stats import chi2_pvalue
 
 MOD = 2147483647
@@ -331,6 +332,65 @@ def test_stochastic_modes_at_temperature_zero_equal_greedy():
         assert torch.equal(res.output_token_ids[even], ref.output_token_ids[even])
 
 
+def _walk_oracle(tree, logits, temp, top_k, top_p, seeds):
+    """verify_deterministic's definition, one request and one level at a time: at the current node sample
+    ``x ~ p`` with the node's own uniform (``_node_uniforms``' second column), descend into the first child
+    carrying ``x``, else emit ``x`` and stop."""
+    u = ver._node_uniforms(tree, seeds, 2, logits.device)[:, 1]
+    cu, par, tok = tree.cu_nodes.tolist(), tree.parent_flat.tolist(), tree.token_ids.tolist()
+    out = []
+    for r in range(tree.num_requests):
+        cur, emitted = cu[r], []
+        while True:
+            p = target_probs(logits[cur : cur + 1], temp[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])
+            x = int(sampling.sample_rows(p, u[cur : cur + 1])[0])
+            emitted.append(x)
+            kids = [i for i in range(cu[r], cu[r + 1]) if par[i] == cur and tok[i] == x]
+            if not kids:
+                break
+            cur = kids[0]
+        out.append((emitted, cur))
+    return out
+
+
+@pytest.mark.parametrize("chunk_rows, kernels", [(None, "torch"), (3, "torch"), (None, "triton")])
+def test_deterministic_verification_equals_the_level_walk(monkeypatch, chunk_rows, kernels):
+    """Every node's sample drawn up front, then greedy's walk over the samples (no level loop): the same
+    tokens, accepted nodes and last node as the walk level by level, on ragged random trees (root-only
+    requests, a 64-deep chain, repeated sibling tokens) with per-request temperatures (greedy among them),
+    top-k, top-p and seeds; the distributions built 3 rows at a time or all at once; the walk by the torch
+    twin or the Triton kernel (greedy's). Accepted paths reach depth 20+."""
+    V = 6
+    if chunk_rows:
+        monkeypatch.setattr(ver, "SAMPLE_ROW_ELEMENTS", chunk_rows * V)
+    g = torch.Generator().manual_seed(4)
+    kinds = [(1, "chain"), (30, "random"), (65, "chain"), (1, "chain"), (12, "star"), (40, "wide")]
+    parents = [random_tree(n, kind=k, generator=g) for n, k in kinds]
+    tokens = [torch.randint(V, (len(par),), generator=g).tolist() for par in parents]
+    tokens[4][2] = tokens[4][1]  # repeated sibling tokens (star): the first such child is the one taken
+    tree = TreeBatch.from_parents(parents, tokens)
+    logits = 2.5 * torch.randn(tree.num_nodes, V, generator=g)
+    flat_par, flat_tok = tree.parent_flat.tolist(), tree.token_ids.tolist()
+    for i in range(tree.num_nodes - 1, 0, -1):  # the target mostly agrees with a child: paths run deep
+        logits[flat_par[i], flat_tok[i]] += 8.0
+    B = tree.num_requests
+    temp = torch.tensor([1.0, 0.0, 0.7, 1.5, 1.0, 0.3])
+    top_k = torch.tensor([0, 0, 3, 0, 2, 0])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 1.0])
+    deepest = 0
+    for seed in range(4):
+        seeds = [100 * seed + r for r in range(B)]
+        res = verify_deterministic(tree, logits, temperature=temp, top_k=top_k, top_p=top_p, generator=seeds,
+                                   kernels=kernels)
+        check_format(res, tree)
+        want = _walk_oracle(tree, logits, temp, top_k, top_p, seeds)
+        for r, (emitted, last) in enumerate(want):
+            n = int(res.num_emitted[r])
+            assert res.output_token_ids[r, :n].tolist() == emitted and int(res.last_node[r]) == last
+        deepest = max(deepest, int(res.num_emitted.max()))
+    assert deepest > 20
+
+
 def test_root_only_trees():
     tree = TreeBatch.from_parents([[-1], [-1]], [[3], [4]])
     logits = torch.randn(2, 7)
@@ -600,7 +660,6 @@ def test_greedy_walk_kernel_equals_twin_over_the_envelope():
     chains, stars, ragged batches with root-only requests, and siblings sharing a token (the FIRST
     matching child is taken)."""
     from csrc_triton.greedy_walk import greedy_walk
-    from vllm_bole.testing.oracles import random_tree_batch
 
     g = torch.Generator().manual_seed(0)
     trees = [random_tree_batch(sizes, kind=kind, generator=g, token_vocab=300)

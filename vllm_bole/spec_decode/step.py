@@ -115,11 +115,12 @@ def verify_tree(tree: TreeBatch, logits: torch.Tensor, sampling: Sampling | None
                 kernels: str = "auto") -> VerificationResult:
     """``logits`` [T, V] float32 at every node (constraints applied); ``sampling`` None: all greedy.
     Lossless: greedy equals plain greedy decoding; sampled requests draw exactly from the target.
-    ``kernels``: greedy verification's (``vllm_bole.dispatch``)."""
+    ``kernels``: the walk's (``vllm_bole.dispatch``)."""
     if sampling is None:
         return verify_greedy(tree, logits, kernels=kernels)
     return verify_deterministic(tree, logits, temperature=sampling.temperature, top_k=sampling.top_k,
-                                top_p=sampling.top_p, min_p=sampling.min_p, generator=sampling.generators)
+                                top_p=sampling.top_p, min_p=sampling.min_p, generator=sampling.generators,
+                                kernels=kernels)
 
 
 class TreeLayer(Protocol):
