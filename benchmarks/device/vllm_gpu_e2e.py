@@ -235,12 +235,17 @@ def mixed_case(arch, model, prompts) -> dict:
     kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, num_gpu_blocks_override=blocks, block_size=16,
               max_model_len=max_len, max_num_seqs=seqs, dtype=dtype)
     k = 10 if bf16 else None
+    # the one-token prompt alone after the mixed job (a recycled state slot) in each engine: which run parted from
+    # it where the two disagree on its first token (f428370, Qwen3-Next bf16: ours and the baseline parted there,
+    # one's token outside the other's top 10; the baseline runs vLLM's V2 runner with prefix caching's "align"
+    # state mode, ours V1 without prefix caching, so either side may hold the fault)
+    solo = engine_run.generate_job([prompts[7][:1]], 4, logprobs=10)
     # side by side: on a cold machine each engine compiles for ~200 s (2abfaae, H100), and one after the other
     # the second ran out of a 380 s deadline for all three hybrids
     with ThreadPoolExecutor(2) as pool:
         base_f = pool.submit(run, model, [engine_run.mixed_job(_mixed_requests(prompts, False), 64, logprobs=k,
-                                                               rescore=k)], **kw)
-        ours_f = pool.submit(run, model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64, logprobs=k)],
+                                                               rescore=k), solo], **kw)
+        ours_f = pool.submit(run, model, [engine_run.mixed_job(_mixed_requests(prompts, True), 64, logprobs=k), solo],
                              spec_cfg=spec("draft_model", model), **kw)
         base, ours = base_f.result(), ours_f.result()
     if "error" in base or "error" in ours:
@@ -252,7 +257,9 @@ def mixed_case(arch, model, prompts) -> dict:
     st = ours["jobs"][0]["stats"]
     out = dict(arch=arch, dtype=dtype, same=same, aborted_after_tokens=len(ab["tokens"]),
                resumed_requests=st["resumed_requests"], prefill_mixed_tree_steps=st["prefill_mixed_tree_steps"],
-               accepted=st["accepted"])
+               accepted=st["accepted"],
+               one_first_token={name: [r["jobs"][0]["outputs"]["one"]["tokens"][0], r["jobs"][1]["tokens"][0][0]]
+                                for name, r in (("base", base), ("ours", ours))})  # [in the mix, alone]
     aborted_ok = ab["finish_reason"] == "aborted_by_client"
     if bf16:  # the aborted stream's tokens not compared (a near tie may part them), its finish reason is
         v = compare_greedy(dtype, engine_run.mixed_streams(b, greedy), engine_run.mixed_streams(o, greedy))
