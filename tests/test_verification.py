@@ -342,7 +342,8 @@ def _walk_oracle(tree, logits, temp, top_k, top_p, seeds):
     for r in range(tree.num_requests):
         cur, emitted = cu[r], []
         while True:
-            p = target_probs(logits[cur : cur + 1], temp[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])
+            p = target_probs(logits[cur : cur + 1], temp[r : r + 1], *(None if x is None else x[r : r + 1]
+                                                                      for x in (top_k, top_p)))
             x = int(sampling.sample_rows(p, u[cur : cur + 1])[0])
             emitted.append(x)
             kids = [i for i in range(cu[r], cu[r + 1]) if par[i] == cur and tok[i] == x]
@@ -353,13 +354,16 @@ def _walk_oracle(tree, logits, temp, top_k, top_p, seeds):
     return out
 
 
-@pytest.mark.parametrize("chunk_rows, kernels", [(None, "torch"), (3, "torch"), (None, "triton")])
-def test_deterministic_verification_equals_the_level_walk(monkeypatch, chunk_rows, kernels):
+@pytest.mark.parametrize("chunk_rows, kernels, filtered", [(None, "torch", True), (3, "torch", True),
+                                                           (None, "triton", True), (3, "torch", False),
+                                                           (None, "triton", False)])
+def test_deterministic_verification_equals_the_level_walk(monkeypatch, chunk_rows, kernels, filtered):
     """Every node's sample drawn up front, then greedy's walk over the samples (no level loop): the same
     tokens, accepted nodes and last node as the walk level by level, on ragged random trees (root-only
     requests, a 64-deep chain, repeated sibling tokens) with per-request temperatures (greedy among them),
     top-k, top-p and seeds; the distributions built 3 rows at a time or all at once; the walk by the torch
-    twin or the Triton kernel (greedy's). Accepted paths reach depth 20+."""
+    twin or the Triton kernel (greedy's); without top-k / top-p the samples from ``sample_logits`` (one Triton
+    launch, or its twin in chunks). Accepted paths reach depth 20+."""
     V = 6
     if chunk_rows:
         monkeypatch.setattr(ver, "SAMPLE_ROW_ELEMENTS", chunk_rows * V)
@@ -372,11 +376,11 @@ def test_deterministic_verification_equals_the_level_walk(monkeypatch, chunk_row
     logits = 2.5 * torch.randn(tree.num_nodes, V, generator=g)
     flat_par, flat_tok = tree.parent_flat.tolist(), tree.token_ids.tolist()
     for i in range(tree.num_nodes - 1, 0, -1):  # the target mostly agrees with a child: paths run deep
-        logits[flat_par[i], flat_tok[i]] += 8.0
+        logits[flat_par[i], flat_tok[i]] += 12.0
     B = tree.num_requests
     temp = torch.tensor([1.0, 0.0, 0.7, 1.5, 1.0, 0.3])
-    top_k = torch.tensor([0, 0, 3, 0, 2, 0])
-    top_p = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 1.0])
+    top_k = torch.tensor([0, 0, 3, 0, 2, 0]) if filtered else None
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 1.0]) if filtered else None
     deepest = 0
     for seed in range(4):
         seeds = [100 * seed + r for r in range(B)]

@@ -7,7 +7,8 @@
   or ``>= V`` disables), then top-p over the ascending-sorted probabilities of what top-k kept
   (drop the prefix whose cumulative mass is ``<= 1 - top_p``, always keeping the largest), as
   vLLM's ``apply_top_k_top_p``.
-* Draws by inverse CDF: one uniform per token (:func:`sample_rows`), and sequences of draws
+* Draws by inverse CDF: one uniform per token (:func:`sample_rows`; from raw logits at a temperature in one
+  Triton launch, :func:`sample_logits`), and sequences of draws
   without replacement (:func:`sample_rows_without_replacement`, removed intervals skipped by
   shifting the uniform), so no ``[R, V]`` random tensors are needed.
 """
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bole.dispatch import use_triton
+
 __all__ = [
     "SAMPLING_EPS",
     "apply_min_p",
     "apply_top_k_top_p",
     "per_row",
+    "sample_logits",
     "sample_rows",
     "sample_rows_without_replacement",
     "target_probs",
@@ -114,6 +118,19 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     t = torch.searchsorted(cdf, y.to(cdf.dtype).contiguous(), right=True)
     t = torch.minimum(t, _last_positive(p)[:, None])
     return t[:, 0] if squeeze else t
+
+
+def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, *,
+                  kernels: str = "auto") -> torch.Tensor:
+    """One token per row of ``logits`` ``[N, V]`` (any float dtype, rows strided) at ``temperature`` ``[N]``
+    (greedy below ``SAMPLING_EPS``) from the uniforms ``u`` ``[N]``: ``sample_rows(target_probs(logits,
+    temperature), u)`` (the torch twin), without top-k, top-p or min-p. Triton: one launch reading each row
+    twice (``csrc_triton.sample_tokens``), no ``[N, V]`` intermediate. Returns ``[N]`` int64."""
+    if use_triton(kernels, logits):
+        from csrc_triton.sample_tokens import sample_logits as launch
+
+        return launch(logits, temperature, u, SAMPLING_EPS)
+    return sample_rows(target_probs(logits, temperature), u)
 
 
 def sample_rows_without_replacement(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from vllm_bole.dispatch import use_triton
-from vllm_bole.spec_decode.sampling import SAMPLING_EPS, per_row, sample_rows, target_probs
+from vllm_bole.spec_decode.sampling import SAMPLING_EPS, per_row, sample_logits, sample_rows, target_probs
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.transfer import download_async
 
@@ -301,10 +301,13 @@ def verify_deterministic(tree: TreeBatch, target_logits: torch.Tensor, *, temper
 
     No level loop: every node's sample is drawn up front with that node's own uniform (what a walk from the
     root draws there when it gets there), then the walk follows the first child carrying its parent's
-    sample, as greedy follows the argmax (:func:`_descend`, no host sync). The distributions are built
-    ``SAMPLE_ROW_ELEMENTS // V`` rows at a time (no ``[T, V]`` sort at once). Decision: the level loop
-    (one host sync and ~15 launches per depth) cost 3.5 ms a step at c = 1 on the H100 (992f2cd matrix,
-    temperature 1) against 0.4 ms for greedy's one launch."""
+    sample, as greedy follows the argmax (:func:`_descend`, no host sync). Without top-k, top-p or min-p the
+    samples come from :func:`~vllm_bole.spec_decode.sampling.sample_logits` (Triton: one launch over all rows);
+    otherwise, and in the torch twin, the distributions are built ``SAMPLE_ROW_ELEMENTS // V`` rows at a time
+    (no ``[T, V]`` sort at once). Decision: the level loop (one host sync and ~15 launches per depth) cost
+    3.5 ms a tree step at c = 1 on the H100 (f428370 matrix, temperature 1) against 0.4 ms for greedy's one
+    launch; the loop-free torch form took 0.26-0.52 ms where the loop took 1.9-5.2 ms at 8-32 requests, but
+    2.0-4.0 ms at 128 (~10 passes over ``[T, V]``; ``sampled_verify.json``), hence the kernel."""
     _check_logits(tree, target_logits)
     dev = target_logits.device
     T, V = target_logits.shape
@@ -315,14 +318,19 @@ def verify_deterministic(tree: TreeBatch, target_logits: torch.Tensor, *, temper
         return None if x is None else per_row(x, tree.num_requests, dtype, dev)[req]
 
     temp = node_rows(1.0 if temperature is None else temperature, torch.float32)
-    tk, tp, mp = node_rows(top_k, torch.long), node_rows(top_p, torch.float32), node_rows(min_p, torch.float32)
-    choice = torch.empty(T, dtype=torch.long, device=dev)
-    n = max(1, SAMPLE_ROW_ELEMENTS // max(V, 1))
-    for s in range(0, T, n):
-        e = min(T, s + n)
-        p = target_probs(target_logits[s:e], temp[s:e], *(None if x is None else x[s:e] for x in (tk, tp, mp)))
-        choice[s:e] = sample_rows(p, u[s:e])
-    return _descend(tree, choice, kernels)
+    filters = (node_rows(top_k, torch.long), node_rows(top_p, torch.float32), node_rows(min_p, torch.float32))
+    if all(x is None for x in filters):  # one launch (Triton) or the twin, chunked below
+        return _descend(tree, _chunked(T, V, use_triton(kernels, target_logits), lambda s, e: sample_logits(
+            target_logits[s:e], temp[s:e], u[s:e], kernels=kernels)), kernels)
+    return _descend(tree, _chunked(T, V, False, lambda s, e: sample_rows(target_probs(
+        target_logits[s:e], temp[s:e], *(None if x is None else x[s:e] for x in filters)), u[s:e])), kernels)
+
+
+def _chunked(T: int, V: int, whole: bool, sample) -> torch.Tensor:
+    """``sample(start, end)`` over rows ``0 .. T`` in chunks of ``SAMPLE_ROW_ELEMENTS // V`` rows (``whole``: at
+    once), concatenated: ``[T]`` int64."""
+    n = T if whole else max(1, SAMPLE_ROW_ELEMENTS // max(V, 1))
+    return torch.cat([sample(s, min(T, s + n)) for s in range(0, T, n)]) if T > n else sample(0, T)
 
 
 def verify_rejection(
