@@ -147,6 +147,8 @@ def _node_uniforms(tree: TreeBatch, generator: Generators, n: int, device) -> to
     if len(gens) != B:
         raise ValueError(f"generator: {len(gens)} per-request generators for {B} requests")
     u = torch.rand(T, n, device=device)
+    if all(g is None for g in gens):  # no seeded request: no per-request loop, no read of the tree's offsets
+        return u
     cu = tree.cu_nodes.tolist()
     for r, g in enumerate(gens):  # per-request streams, like vLLM's seeded requests
         g = _make_gen(g)
