@@ -7,16 +7,25 @@
 #   5   carry .pair/weights/pair.sha256 .pair/weights/pair.txz.00 .pair/weights/pair.txz.01 .pair/weights/pair.txz.02  parts
 #   6   carry .pair/weights/pair.txz.03 .pair/weights/pair.txz.04 .pair/weights/pair.txz.05                     parts
 #   7   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                                   parts
-#   8   carry .pair/cache .pair/data                                                                         parts
-#   9   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~80 s)
-#  10   PARALLEL=1 E2E_SECONDS=430 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model
-#       vllm_chain/draft_model" matrix      (issue 17: the controller exploring half the nodes, the drafting against
-#       the nodes searched and unseen buckets on a line; read `controller.json` and the rows' `controller_model`,
-#       whose `draft_samples` are [requests, searched, chosen, ms])
-#  11   MIXED="falcon_h1 qwen3_next" mixed cachesave   (issue 13's last two mixed batches; 560 s cold)
-#  12   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
-#  then, as time allows: PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile; `newarchs` (issue 19's Zamba2
-#  draft-model row, with the compile caches now carried); online; treegraphs.
+#   8   carry .pair/cache (three pieces since f428370, 36 MB: with .pair/data and the 15.6 MB tree over 64 MiB)  parts
+#   9   carry .pair/data                                                                                     parts
+#  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~95 s)
+#  11   PARALLEL=1 E2E_SECONDS=430 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model
+#       vllm_chain/draft_model" matrix      (issue 17: the controller with its drafting learnt at the search budget,
+#       c945ef0: read `controller.json` and the rows' `controller_model`, whose `draft_samples` [requests, searched,
+#       chosen, ms] must now show the search budget, not requests x 32; issue 15: temperature 1 with the loop-free
+#       verification and the sampling kernel: the rows' `verify_commit_ms` at T = 1 against greedy's)
+#  12   MIXED="qwen3_next" mixed cachesave   (issue 13: the row's `one_first_token` {base, ours: [in the mix, alone]}
+#       says which engine departs at the one-token prompt; ~300 s with the carried caches)
+#  13   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
+#  then, as time allows: `python3 benchmarks/device/check_sampled_verify.py` (bare torch, ~15 s: the sampling
+#  kernel's time against the level walk); PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile; online;
+#  treegraphs.
+# 2026-12-05 (26th session, f428370): an H100 at the first call; parts x8 (~25 s), `install unpack` (96 s), the
+# matrix as in 11 (457 s), MIXED="falcon_h1 qwen3_next" `mixed cachesave` (320 s: FalconH1 passed, Qwen3-Next parted
+# at the one-token prompt's first token), `targets` with BUDGETS=8,32 (153 s), `newarchs` (301 s: Zamba2's
+# draft-model row at last), the `"auto"` profile at c = 128 (122 s), given back with 266 s left; a later bare-torch
+# `check_sampled_verify.py` on a fresh machine: 12 s run, ~100 s of budget with the machine's start.
 # 2026-12-05 (25th session, 992f2cd): an H100 at the first call; parts x3 + the cache piece, `install` (78 s), `parts
 # train keep` (454 s), the matrix as in 10 with the async trees and `keep` (458 s; all eight pieces home), `targets
 # cachesave` with BUDGETS=16,32 (187 s), MIXED=granitemoehybrid MIXED_SECONDS=420 `mixed cachesave` (273 s: passed),
