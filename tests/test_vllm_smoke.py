@@ -119,8 +119,19 @@ def test_fp32_parting_at_a_tie_within_the_engine_spread():
         return lossless.compare_greedy("float32", base, ours)
     v = verdict(3.4e-4, 1.4e-3)
     assert v.ok and v.identical == 0 and [(i, j) for i, j, _ in v.ties] == [(0, 1)]
+    assert v.referee == [(0, 1, "base")]  # the baseline's prefill ranks its own token first there
     assert not verdict(3.4e-3, 1.4e-3).ok  # the engine decides between them
     assert not verdict(3.4e-4, 0.0).ok  # decode and prefill agree exactly: no tie allowance
+
+
+def test_bf16_parting_names_the_side_the_baseline_prefill_takes():
+    """At a bf16 parting the baseline's own prefill path (its rescoring) referees: the run whose token it ranks
+    first (here ours: the baseline's decode departed from its own prefill at the first token)."""
+    base = dict(tokens=[[3, 4]], top=[[[[3, -0.1], [9, -4.0]], [[4, -0.2], [5, -2.0]]]],
+                rescored=[[[[9, -0.1], [3, -4.0]], [[4, -0.2], [5, -2.0]]]])
+    ours = dict(tokens=[[9, 4]], top=[[[[9, -0.1], [3, -4.0]], [[4, -0.2], [5, -2.0]]]])
+    v = lossless.compare_greedy("bfloat16", base, ours)
+    assert v.referee == [(0, 0, "ours")] and v.partings[0][:2] == (0, 0)
 
 
 def test_run_isolated_kills_process_group_on_timeout(tmp_path):

@@ -180,7 +180,7 @@ def arch_matrix(arch: str, model: Path, cases: list, drafters=DRAFTERS, draft: P
                        mean_accepted=st["accepted"] / max(st["verified_requests"], 1),
                        step_ms=1000 * o["generate_s"] / max(st["steps"], 1),
                        ar_step_ms=1000 * b["generate_s"] / (MAX_TOKENS + 1), streams_identical=v.identical,
-                       streams=v.streams, partings=v.partings, engine_start_s=ours["start_s"],
+                       streams=v.streams, partings=v.partings, referee=v.referee, engine_start_s=ours["start_s"],
                        jit_warnings=ours.get("jit_warnings"),
                        warm_up=[ln[ln.find("vllm-bole"):] for ln in ours.get("plugin_lines", []) if "warmed up" in ln],
                        tree_steps=st["tree_steps"], drafted_nodes=st["drafted_nodes"], accepted=st["accepted"],
@@ -264,6 +264,7 @@ def mixed_case(arch, model, prompts) -> dict:
     if bf16:  # the aborted stream's tokens not compared (a near tie may part them), its finish reason is
         v = compare_greedy(dtype, engine_run.mixed_streams(b, greedy), engine_run.mixed_streams(o, greedy))
         out.update(ok=v.ok and aborted_ok, noise=v.noise, worst_margin_change=v.worst, partings=v.partings,
+                   referee=v.referee,
                    problems=v.problems[:5])
     else:
         out["ok"] = all(same.values()) and aborted_ok and ab["tokens"] == b["ab"]["tokens"][: len(ab["tokens"])]

@@ -79,6 +79,9 @@ class GreedyVerdict:
     streams: int
     identical: int  # streams token-for-token equal to the baseline
     partings: list = field(default_factory=list)  # (stream, position, baseline margin of ours) per divergence
+    # per divergence (stream, position, side): which run's token the baseline's own prefill path (its rescoring)
+    # ranks first there, "ours" / "base" / "neither": a third opinion on the shared context when the two part
+    referee: list = field(default_factory=list)
     spread: float | None = None  # fp32: the engine's own decode/prefill logprob spread
     ties: list = field(default_factory=list)  # fp32 partings within NOISE_FACTOR x spread
     noise: float | None = None  # the engine's own noise (bf16), nats
@@ -111,6 +114,9 @@ def compare_greedy(dtype: str, base: dict, ours: dict) -> GreedyVerdict:
             m = _row(base["top"][i][j]) if base.get("top") else {}
             margin = m[ref[j]] - m[got[j]] if got[j] in m else float("inf")
             v.partings.append((i, j, round(margin, 4)))
+            if base.get("rescored"):
+                first = base["rescored"][i][j][0][0]
+                v.referee.append((i, j, "base" if first == ref[j] else "ours" if first == got[j] else "neither"))
             if dtype == "float32":
                 if spread is not None and margin <= NOISE_FACTOR * spread:
                     v.ties.append((i, j, margin))
