@@ -11,8 +11,8 @@ Run it under an outer ``timeout`` of at least ``--seconds`` + 90: an engine stop
 deadline but returns its rows only when it shuts down. Every engine runs in its own subprocess
 (``vllm_bole.testing.engine_run``), one after another (the GPU is the engine's alone while it is timed);
 ``--parallel`` starts them all at once (8 GiB of KV cache each; starts of 120-150 s each were most of a
-run's ten minutes) and then lets one engine at a time run, stage by stage, AR's cells of each stage before
-and after the other engines' (``run_parallel``; AR's row the mean of its two runs, with ``tokens_per_s_runs``
+run's ten minutes) and then lets one engine at a time run, stage by stage (a stage: one dataset, temperature
+and concurrency), AR's cell of each stage before and after the other engines' (``run_parallel``; AR's row the mean of its two runs, with ``tokens_per_s_runs``
 and ``run_spread``: the baseline's own drift within the run). CUDA graphs
 on (vLLM's default FULL_AND_PIECEWISE; tree steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
 every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
@@ -322,10 +322,14 @@ def warmup_jobs(prompts: dict, deadline: float) -> list[dict]:
                  cell=None) for n in (1, max(CONCURRENCY))]
 
 
-def stage_of(dataset: str, temperature: float) -> int:
-    """The cell's stage: greedy MT-Bench, HumanEval, ShareGPT, then the same at temperature 1 (``--parallel``
-    times every engine's stage k before any engine's stage k + 1)."""
-    return TEMPERATURES.index(temperature) * len(DATASETS) + DATASETS.index(dataset)
+def stage_of(dataset: str, temperature: float, batch: int) -> int:
+    """The cell's stage: greedy MT-Bench at each concurrency, then HumanEval, ShareGPT, then the same at
+    temperature 1 (``--parallel`` times every engine's stage k before any engine's stage k + 1).
+
+    Decision: one stage per concurrency, so that AR's two runs bracket every engine's cell of that concurrency
+    within seconds. With a stage per dataset (until f428370) they were minutes apart, and AR's own two runs of
+    a cell differed by 5-52% on the H100 (host noise drifting on that scale): more than the effects measured."""
+    return (TEMPERATURES.index(temperature) * len(DATASETS) + DATASETS.index(dataset)) << 20 | int(batch)
 
 
 def passes(eng: dict) -> list[tuple[int, int]]:
@@ -333,7 +337,7 @@ def passes(eng: dict) -> list[tuple[int, int]]:
     AR (the baseline), pass 1 after the other engines' pass 0 of that stage: AR's cells are timed before and
     after every other engine's (the H200's AR cells varied by up to ~30% minutes apart in one engine, at
     af4cf8f: the two passes measure that, and their mean is the row)."""
-    stages = sorted({stage_of(d, t) for d, t, *_ in eng["cells"]})
+    stages = sorted({stage_of(d, t, c) for d, t, c, *_ in eng["cells"]})
     return [(k, p) for k in stages for p in ((0, 1) if eng["mode"] == "ar" else (0,))]
 
 
@@ -345,7 +349,7 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> li
         if gate:
             cell_jobs.append(gate((k, p)))
         for d, t, c, b, h in eng["cells"]:
-            if k is None or stage_of(d, t) == k:
+            if k is None or stage_of(d, t, c) == k:
                 cell_jobs += job(prompts, d, t, c, deadline, b, h)
     first = 1 if gate else 0  # the warm-up after the first gate: it runs on the GPU
     jobs = cell_jobs[:first] + warmup_jobs(prompts, deadline) + cell_jobs[first:]
@@ -422,7 +426,7 @@ def run_parallel(todo: list[dict], args, prompts: dict, deadline: float) -> list
                 mark("go", i, k).touch()
                 after = [s for s in gates_of[i] if s > k]
                 while not (f.done() or after and mark("ready", i, after[0]).exists()):
-                    time.sleep(0.2)
+                    time.sleep(0.01)  # a switch of engines every stage: 16 stages a temperature, 3-4 engines
         return [f.result() for f in futures]
 
 

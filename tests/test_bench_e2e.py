@@ -65,7 +65,7 @@ def test_parallel_runs_one_engine_at_a_time_stage_by_stage(monkeypatch):
                bench_e2e.SWEEP_DATASETS and r["temperature"] == 0.0)
     assert all(len(r["tokens_per_s_runs"]) == 2 and r["run_spread"] == 0.0 for r in rows[0])
     assert not any("tokens_per_s_runs" in r for r in rows[2]) and all("run_spread" not in r for r in rows[1])
-    timed = [(n, bench_e2e.stage_of(c["dataset"], c["temperature"])) for n, c in cells]
+    timed = [(n, bench_e2e.stage_of(c["dataset"], c["temperature"], c["batch"])) for n, c in cells]
     assert [k for _, k in timed] == sorted(k for _, k in timed)  # every engine's stage k before any one's k + 1
     order = [json.dumps(bench_e2e.spec_for(e["mode"], e["drafter"], args.pair, e["k"]), sort_keys=True) for e in todo]
     for _, group in itertools.groupby(timed, key=lambda x: x[1]):  # within a stage: engine by engine, in order,

@@ -406,7 +406,7 @@ def _gate(llm, job, done: list) -> dict:
     Path(job["ready"]).touch()
     t0 = time.monotonic()
     while not Path(job["go"]).exists():
-        time.sleep(0.2)
+        time.sleep(0.01)
     return dict(waited_s=time.monotonic() - t0)
 
 
