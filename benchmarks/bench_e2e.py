@@ -53,7 +53,8 @@ count; where a cell's steps differ from its steady state), ``phase_ms_by_kind`` 
 mean milliseconds per step of each timed part, ``tree_step.PHASES``: ``prepare``, ``prepare_vllm``, ``draft``,
 ``forward``, ``verify_commit``, ``finish``, ``settle``, and the host's timeline that tiles the step: ``prepare``,
 ``forward_host``, ``between``, ``sample``, ``engine``, ``update``), ``step_spread`` (the same per timed step: [p50, p90, max] of its wall
-and parts' milliseconds per kind, and the five slowest steps whole), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
+and parts' milliseconds per kind, and the five slowest steps whole), ``plain_full_steps`` / ``plain_piecewise_steps`` / ``plain_eager_steps`` (the steps without trees by the CUDA-graph
+mode vLLM dispatched them to), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
 after a step without trees, the draft catching up: count and mean milliseconds), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
 cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
@@ -227,6 +228,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    tree_steps=st["tree_steps"], graph_tree_steps=st.get("graph_tree_steps", 0),
                    split_tree_steps=st.get("split_tree_steps", 0), mixed_tree_steps=st.get("mixed_tree_steps", 0),
                    split_piecewise_steps=st.get("split_piecewise_steps", 0),
+                   **{f"plain_{m}_steps": st.get(f"plain_{m}_steps", 0) for m in ("full", "piecewise", "eager")},
                    steps_by_kind={k: st.get(f"timed_{k}_steps", 0) for k in STEP_KINDS},
                    step_ms_by_kind={k: 1000 * st[f"timed_{k}_steps_s"] / st[f"timed_{k}_steps"] for k in STEP_KINDS
                                     if st.get(f"timed_{k}_steps")},
@@ -526,7 +528,8 @@ def _header(args) -> dict:
 
 # a half-run row's counts (summed over the halves); its other numbers are means per step, request or node
 HALF_SUMS = ("requests", "tokens", "seconds", "tree_steps", "graph_tree_steps", "split_tree_steps", "mixed_tree_steps",
-             "split_piecewise_steps", "chained_drafts", "plain_drafts", "drafted_nodes", "accepted", "plain_decode_steps")
+             "split_piecewise_steps", "plain_full_steps", "plain_piecewise_steps", "plain_eager_steps", "chained_drafts",
+             "plain_drafts", "drafted_nodes", "accepted", "plain_decode_steps")
 
 
 def merge_halves(group: list[dict]) -> dict:

@@ -89,22 +89,33 @@ def test_core_imports_without_vllm():
 def test_tree_steps_never_dispatched_as_uniform_decode():
     """A batch of root-only trees has one token per request, which vLLM takes for a uniform decode
     and would replay as a FULL CUDA graph without the tree overrides (seen on the H200): the runner
-    forces tree steps to be mixed batches and leaves plain steps to vLLM."""
+    forces tree steps to be mixed batches and leaves plain steps to vLLM, counting the graph mode vLLM
+    gives each plain step it prepared (not capture or dummy runs)."""
+    from types import SimpleNamespace
+
     from vllm_bole.adapter.runner import TreeRunnerMixin
 
     class Base:
         def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *a, force_uniform_decode=None):
-            return force_uniform_decode
+            return SimpleNamespace(name="FULL" if force_uniform_decode is None else "NONE"), force_uniform_decode
 
     class Runner(TreeRunnerMixin, Base):
         pass
 
     r = Runner()
-    r._bole_step = object()
-    assert r._determine_batch_execution_and_padding(4, 4) is False
+    r._bole_stats = dict(plain_full_steps=0, plain_piecewise_steps=0, plain_eager_steps=0)
+    r._bole_step, r._bole_plain_mode_due = object(), False
+    assert r._determine_batch_execution_and_padding(4, 4)[1] is False
     r._bole_step = None
-    assert r._determine_batch_execution_and_padding(4, 4) is None
-    assert r._determine_batch_execution_and_padding(4, 4, force_uniform_decode=True) is True
+    assert r._determine_batch_execution_and_padding(4, 4)[1] is None
+    assert r._determine_batch_execution_and_padding(4, 4, force_uniform_decode=True)[1] is True
+    assert r._bole_stats["plain_full_steps"] == 0  # none of those was a prepared plain step
+    r._bole_plain_mode_due = True
+    r._determine_batch_execution_and_padding(4, 4)
+    r._bole_plain_mode_due = True
+    r._determine_batch_execution_and_padding(4, 4, force_uniform_decode=True)
+    r._determine_batch_execution_and_padding(4, 4)  # a dummy run after it: not counted
+    assert (r._bole_stats["plain_full_steps"], r._bole_stats["plain_eager_steps"]) == (1, 1)
 
 
 def test_plain_rows_first_in_few_swaps():

@@ -188,7 +188,9 @@ class TreeRunnerMixin:
         # flushed and their rows freed before the step's rows are handed out), row 0 for padding and warm-up
         self._bole_num_rows = self.scheduler_config.max_num_seqs + 1
         self._bole_reset_rows()
+        self._bole_plain_mode_due = False  # a step without trees prepared: count the graph mode vLLM gives it
         self._bole_stats = dict(steps=0, tree_steps=0, graph_tree_steps=0, split_tree_steps=0, split_piecewise_steps=0,
+                                plain_full_steps=0, plain_piecewise_steps=0, plain_eager_steps=0,
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
                                 chained_drafts=0, accepted=0, verified_requests=0, propose_s=0.0,
@@ -577,6 +579,7 @@ class TreeRunnerMixin:
             changed = bool(so.scheduled_new_reqs or so.finished_req_ids or _resumed(so))
             self._bole_budget.step_begun(self.input_batch.num_reqs, step is not None, prefill, changed)
         if step is None:
+            self._bole_plain_mode_due = True  # the graph mode vLLM dispatches this step to, counted
             return logits_indices, spec_md, max_sampled
         s, T = step.tok_start, step.num_tokens
         self.positions[s : s + T] = pos
@@ -601,7 +604,14 @@ class TreeRunnerMixin:
         # which vLLM would take for a uniform decode and replay as a FULL graph, skipping the overrides).
         if self._bole_step is not None:
             kwargs["force_uniform_decode"] = False
-        return super()._determine_batch_execution_and_padding(*args, **kwargs)
+        out = super()._determine_batch_execution_and_padding(*args, **kwargs)
+        if self._bole_step is None and self._bole_plain_mode_due:
+            # a step without trees: which of vLLM's graphs replays it (``plain_{full,piecewise,eager}_steps``; at
+            # f428370 our plain steps' forward took 1.4-2.7 ms of host time where AR's whole step took 2.8-8.0)
+            self._bole_plain_mode_due = False
+            mode = out[0].name.lower()
+            self._bole_stats[f"plain_{'eager' if mode == 'none' else mode}_steps"] += 1
+        return out
 
     def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, *args, **kwargs):
         step = self._bole_step
