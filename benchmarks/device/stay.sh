@@ -19,8 +19,10 @@
 #       says which engine departs at the one-token prompt; ~300 s with the carried caches)
 #  13   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
 #  then, as time allows: `python3 benchmarks/device/check_sampled_verify.py` (bare torch, ~15 s: the sampling
-#  kernel's time against the level walk); PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=128 profile; online;
-#  treegraphs.
+#  kernel's time against the level walk); PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile (at c = 1 the
+#  controller's tree steps took 0.7 ms more than budget 16's at f428370, HumanEval: drafting +0.3, engine +0.4,
+#  where `choose` itself costs ~0.1 ms on the CPU); online; treegraphs. In the matrix rows also read
+#  `plain_full_steps` / `plain_piecewise_steps` (which of vLLM's graphs our steps without trees replay).
 # 2026-12-05 (26th session, f428370): an H100 at the first call; parts x8 (~25 s), `install unpack` (96 s), the
 # matrix as in 11 (457 s), MIXED="falcon_h1 qwen3_next" `mixed cachesave` (320 s: FalconH1 passed, Qwen3-Next parted
 # at the one-token prompt's first token), `targets` with BUDGETS=8,32 (153 s), `newarchs` (301 s: Zamba2's
