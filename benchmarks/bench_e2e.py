@@ -12,8 +12,9 @@ deadline but returns its rows only when it shuts down. Every engine runs in its 
 (``vllm_bole.testing.engine_run``), one after another (the GPU is the engine's alone while it is timed);
 ``--parallel`` starts them all at once (8 GiB of KV cache each; starts of 120-150 s each were most of a
 run's ten minutes) and then lets one engine at a time run, stage by stage (a stage: one dataset, temperature
-and concurrency), AR's cell of each stage before and after the other engines' (``run_parallel``; AR's row the mean of its two runs, with ``tokens_per_s_runs``
-and ``run_spread``: the baseline's own drift within the run). CUDA graphs
+and concurrency), AR's cell of each stage before and after the other engines' (``run_parallel``; AR's row the
+mean of its two runs, with ``tokens_per_s_runs`` and ``run_spread``: the baseline's own drift within the run).
+CUDA graphs
 on (vLLM's default FULL_AND_PIECEWISE; tree steps run PIECEWISE), bf16, ``TRITON_ATTN`` (the bundle has no FlashAttention 3), prefix caching off in
 every mode (tree speculation refuses it; the baselines match). Each engine decodes cells of
 (dataset, temperature, concurrency): ``concurrency`` prompts per ``LLM.generate`` call, 128 new tokens
@@ -53,8 +54,9 @@ count; where a cell's steps differ from its steady state), ``phase_ms_by_kind`` 
 mean milliseconds per step of each timed part, ``tree_step.PHASES``: ``prepare``, ``prepare_vllm``, ``draft``,
 ``forward``, ``verify_commit``, ``finish``, ``settle``, and the host's timeline that tiles the step: ``prepare``,
 ``forward_host``, ``between``, ``sample``, ``engine``, ``update``), ``step_spread`` (the same per timed step: [p50, p90, max] of its wall
-and parts' milliseconds per kind, and the five slowest steps whole), ``plain_full_steps`` / ``plain_piecewise_steps`` / ``plain_eager_steps`` (the steps without trees by the CUDA-graph
-mode vLLM dispatched them to), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
+and parts' milliseconds per kind, and the five slowest steps whole), ``plain_full_steps`` /
+``plain_piecewise_steps`` / ``plain_eager_steps`` (the steps without trees by the CUDA-graph mode vLLM
+dispatched them to), ``plain_drafts`` / ``plain_draft_ms`` (drafts made
 after a step without trees, the draft catching up: count and mean milliseconds), ``accept_len_by_request`` (min / p10 / p50 / p90 over the
 cell's requests of their tokens per tree step: the cell ends with its slowest request), ``branch_by_depth`` (per depth 1..8 the cell's main-path and sibling nodes reached and
 accepted: where the budget paid, issue 16 item 5). Writes ``$OUT/e2e_throughput.json`` (``rows``:
