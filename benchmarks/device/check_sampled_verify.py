@@ -1,14 +1,14 @@
-"""Sampled tree verification on the GPU: ``verify_deterministic`` (every node's sample drawn up front, in one launch of
-``sample_logits``' kernel where no top-k / top-p / min-p applies, then greedy's one-launch walk) against the
-level-by-level walk it replaced (one host sync and ~15 launches per depth; rebuilt here from
+"""Sampled tree verification on the GPU: ``verify_deterministic`` (every node's sample drawn up front, in one
+launch of ``sample_logits``' kernel where no top-k / top-p / min-p applies, then greedy's one-launch walk)
+against the level-by-level walk it replaced (one host sync and ~15 launches per depth; rebuilt here from
 ``verification._walk``), results from the same uniforms, wall time of each (host syncs included) at the e2e
 engines' shapes: the pair's vocabulary (49152), temperature 1, trees of 8 and 16 nodes a request whose paths
 run 3-6 deep, batch 1..128. Writes ``sampled_verify.json``: ``rows`` (keys ``batch, nodes, vocab, walk_ms,
-ours_ms, speedup, equal, same_frac, mean_emitted``; ``equal``: every request's result bitwise the walk's,
-``same_frac``: the share of requests whose result is. Both draw exactly from the fp32 target distribution;
-they part only where a uniform falls within rounding of a CDF interval's end, as their sums run in different
-orders: at f47c613, before the kernel, the two torch forms parted at 128 requests).
-
+ours_ms, twin_ms, speedup, equal, same_frac, mean_emitted``; ``twin_ms``: the same without Triton, the
+loop-free torch form; ``equal``: every request's result bitwise the walk's, ``same_frac``: the share of
+requests whose result is. Both draw exactly from the fp32 target distribution; they part only where a uniform
+falls within rounding of a CDF interval's end, as their sums run in different orders: at f47c613, before the
+kernel, the two torch forms parted at 128 requests).
     python3 benchmarks/device/check_sampled_verify.py
 """
 from __future__ import annotations
@@ -61,9 +61,12 @@ def main() -> None:
             if dev == "cuda":
                 walk = bench_ms(lambda: level_walk(tree, logits, temp, None), graph=False)
                 ours = bench_ms(lambda: ver.verify_deterministic(tree, logits, temperature=temp), graph=False)
+                twin = bench_ms(lambda: ver.verify_deterministic(tree, logits, temperature=temp, kernels="torch"),
+                                graph=False)
             else:
-                walk = ours = float("nan")
-            rows.append(dict(batch=B, nodes=N, vocab=V, walk_ms=walk, ours_ms=ours, speedup=walk / ours, equal=bool(same.all()),
+                walk = ours = twin = float("nan")
+            rows.append(dict(batch=B, nodes=N, vocab=V, walk_ms=walk, ours_ms=ours, twin_ms=twin, speedup=walk / ours,
+                             equal=bool(same.all()),
                              same_frac=float(same.float().mean()),
                              mean_emitted=float(b.num_emitted.float().mean())))
             print(rows[-1], flush=True)
