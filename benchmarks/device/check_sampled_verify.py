@@ -9,6 +9,7 @@ loop-free torch form; ``equal``: every request's result bitwise the walk's, ``sa
 requests whose result is. Both draw exactly from the fp32 target distribution; they part only where a uniform
 falls within rounding of a CDF interval's end, as their sums run in different orders: at f47c613, before the
 kernel, the two torch forms parted at 128 requests).
+
     python3 benchmarks/device/check_sampled_verify.py
 """
 from __future__ import annotations
