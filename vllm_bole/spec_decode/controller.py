@@ -211,8 +211,8 @@ class BudgetController:
         self.buckets = np.array(sorted(set(buckets)), dtype=np.int64) if buckets else None
         self.draft = NodeTimes()  # drafting time per step (the engine measures)
         self.rest = NodeTimes()  # the rest of an engine step beside the forward and the drafting (likewise)
-        # every ``explore_every``-th choice takes the next larger allowed bucket and, half-way between, the
-        # next smaller one, so that buckets and node counts get measured (times are only learnt where steps ran)
+        # every ``explore_every``-th choice takes the next larger allowed bucket and, half-way between, half the
+        # nodes, so that buckets and node counts get measured (times are only learnt where steps ran)
         self.explore_every, self.choices = explore_every, 0
         self.reach: int | None = None  # the largest per-request budget of the last choice
         self.cap: int | None = None  # the per-request search budget's bound (:meth:`search_budget`)
@@ -222,8 +222,7 @@ class BudgetController:
         """Draft nodes per request to search before :meth:`choose` (module docstring), at most ``cap``."""
         self.cap = cap
         exploring = self.explore_every and (self.choices + 1) % self.explore_every == 0
-        full = self.reach is None or exploring
-        self.searching = cap if full else min(cap, max(SEARCH_FLOOR, math.ceil(SEARCH_GROWTH * self.reach)))
+        self.searching = cap if self.reach is None or exploring else int(bounded_search(self.reach, cap))
         return self.searching
 
     def bucket(self, tokens) -> np.ndarray:
@@ -253,10 +252,10 @@ class BudgetController:
         g = np.lexsort((-k_score, later))  # stable: equal scores keep (request, rank) order
         node_req, rho, forced = k_req[g], np.exp(k_score[g]), int(flat.size - later.sum())
         n = np.arange(node_req.size + 1)
-        # the search each total leads to: SEARCH_GROWTH times its largest per-request budget (a request's nodes
-        # are taken in rank order), within [SEARCH_FLOOR, cap] (:meth:`search_budget`)
+        # the search each total leads to (:meth:`search_budget`) from its largest per-request budget (a request's
+        # nodes are taken in rank order)
         reach = np.concatenate([[0], np.maximum.accumulate(k_rank[g] + 1)])
-        search = np.minimum(self.cap or lr.shape[1], np.maximum(SEARCH_FLOOR, np.ceil(SEARCH_GROWTH * reach)))
+        search = bounded_search(reach, self.cap or lr.shape[1])
         expected = B + np.concatenate([[0.0], np.cumsum(rho)])
         pairs = kv.sum() + B + np.concatenate([[0.0], np.cumsum(kv[node_req] + 1)])
         bucket = self.bucket(B + n)
@@ -284,6 +283,12 @@ class BudgetController:
         return Choice(budgets=torch.from_numpy(budgets), total=best, bucket=int(bucket[best]),
                       predicted_s=float(cost[best]), prior_s=float(prior[best]), expected_tokens=float(expected[best]),
                       searched=B * (self.searching or lr.shape[1]))
+
+
+def bounded_search(reach, cap):
+    """Draft nodes per request a search bounded by a choice whose largest per-request budget is ``reach`` (scalar
+    or array) reaches for: ``SEARCH_GROWTH x reach``, rounded up, within ``[SEARCH_FLOOR, cap]``."""
+    return np.minimum(cap, np.maximum(SEARCH_FLOOR, np.ceil(SEARCH_GROWTH * np.asarray(reach, dtype=np.float64))))
 
 
 def _host(x) -> np.ndarray:
