@@ -366,7 +366,7 @@ def test_deterministic_verification_equals_the_level_walk(monkeypatch, chunk_row
     launch, or its twin in chunks). Accepted paths reach depth 20+."""
     V = 6
     if chunk_rows:
-        monkeypatch.setattr(ver, "SAMPLE_ROW_ELEMENTS", chunk_rows * V)
+        monkeypatch.setattr(sampling, "SAMPLE_ROW_ELEMENTS", chunk_rows * V)
     g = torch.Generator().manual_seed(4)
     kinds = [(1, "chain"), (30, "random"), (65, "chain"), (1, "chain"), (12, "star"), (40, "wide")]
     parents = [random_tree(n, kind=k, generator=g) for n, k in kinds]

@@ -120,17 +120,27 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return t[:, 0] if squeeze else t
 
 
-def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, *,
-                  kernels: str = "auto") -> torch.Tensor:
+SAMPLE_ROW_ELEMENTS = 1 << 24  # logits elements whose distributions the torch form builds at once (64 MB fp32)
+
+
+def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, top_k=None, top_p=None,
+                  min_p=None, *, kernels: str = "auto") -> torch.Tensor:
     """One token per row of ``logits`` ``[N, V]`` (any float dtype, rows strided) at ``temperature`` ``[N]``
-    (greedy below ``SAMPLING_EPS``) from the uniforms ``u`` ``[N]``: ``sample_rows(target_probs(logits,
-    temperature), u)`` (the torch twin), without top-k, top-p or min-p. Triton: one launch reading each row
-    twice (``csrc_triton.sample_tokens``), no ``[N, V]`` intermediate. Returns ``[N]`` int64."""
-    if use_triton(kernels, logits):
+    (greedy below ``SAMPLING_EPS``) and the optional per-row ``top_k`` / ``top_p`` / ``min_p`` ``[N]``, from the
+    uniforms ``u`` ``[N]``: ``sample_rows(target_probs(...), u)``. Triton (none of top-k, top-p, min-p): one
+    launch reading each row twice (``csrc_triton.sample_tokens``), no ``[N, V]`` intermediate; otherwise that
+    torch form (the kernel's twin), ``SAMPLE_ROW_ELEMENTS // V`` rows at a time (no ``[N, V]`` sort at once).
+    Returns ``[N]`` int64."""
+    if top_k is None and top_p is None and min_p is None and use_triton(kernels, logits):
         from csrc_triton.sample_tokens import sample_logits as launch
 
         return launch(logits, temperature, u, SAMPLING_EPS)
-    return sample_rows(target_probs(logits, temperature), u)
+    N, V = logits.shape
+    n = max(1, SAMPLE_ROW_ELEMENTS // max(V, 1))
+    part = lambda x, s: None if x is None else x[s : s + n]  # noqa: E731
+    return torch.cat([sample_rows(target_probs(logits[s : s + n], temperature[s : s + n], part(top_k, s),
+                                               part(top_p, s), part(min_p, s)), u[s : s + n])
+                      for s in range(0, N, n)] or [torch.empty(0, dtype=torch.long, device=logits.device)])
 
 
 def sample_rows_without_replacement(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -293,46 +293,31 @@ def _walk(tree: TreeBatch, logits: torch.Tensor, temperature, top_k, top_p, min_
     return VerificationResult(output_token_ids=out, num_emitted=nemit, accepted_nodes=acc, last_node=cur)
 
 
-SAMPLE_ROW_ELEMENTS = 1 << 24  # logits elements whose distributions verify_deterministic builds at once (64 MB fp32)
-
-
 def verify_deterministic(tree: TreeBatch, target_logits: torch.Tensor, *, temperature, top_k=None, top_p=None,
                          min_p=None, generator: Generators = None, kernels: str = "auto") -> VerificationResult:
     """Stochastic verification of a tree whose children were chosen deterministically: sample
     ``x ~ p`` at the current node, descend if a child carries ``x``, else emit ``x`` and stop.
 
     No level loop: every node's sample is drawn up front with that node's own uniform (what a walk from the
-    root draws there when it gets there), then the walk follows the first child carrying its parent's
-    sample, as greedy follows the argmax (:func:`_descend`, no host sync). Without top-k, top-p or min-p the
-    samples come from :func:`~vllm_bole.spec_decode.sampling.sample_logits` (Triton: one launch over all rows);
-    otherwise, and in the torch twin, the distributions are built ``SAMPLE_ROW_ELEMENTS // V`` rows at a time
-    (no ``[T, V]`` sort at once). Decision: the level loop (one host sync and ~15 launches per depth) cost
-    3.5 ms a tree step at c = 1 on the H100 (f428370 matrix, temperature 1) against 0.4 ms for greedy's one
-    launch; the loop-free torch form took 0.26-0.52 ms where the loop took 1.9-5.2 ms at 8-32 requests, but
-    2.0-4.0 ms at 128 (~10 passes over ``[T, V]``; ``sampled_verify.json``), hence the kernel."""
+    root draws there when it gets there; :func:`~vllm_bole.spec_decode.sampling.sample_logits`: one Triton
+    launch over all rows without top-k, top-p or min-p, else the torch form in row chunks), then the walk
+    follows the first child carrying its parent's sample, as greedy follows the argmax (:func:`_descend`, no
+    host sync). Decision: the level loop (one host sync and ~15 launches per depth) cost 3.5 ms a tree step at
+    c = 1 on the H100 (f428370 matrix, temperature 1) against 0.4 ms for greedy's one launch; the loop-free
+    torch form took 0.26-0.52 ms where the loop took 1.9-5.2 ms at 8-32 requests, but 2.0-4.0 ms at 128 (~10
+    passes over ``[T, V]``; ``sampled_verify.json``), hence the kernel."""
     _check_logits(tree, target_logits)
     dev = target_logits.device
-    T, V = target_logits.shape
     u = _node_uniforms(tree, generator, 2, dev)[:, 1]
     req = tree.request_index.long().to(dev)
 
     def node_rows(x, dtype):  # a per-request parameter per node
         return None if x is None else per_row(x, tree.num_requests, dtype, dev)[req]
 
-    temp = node_rows(1.0 if temperature is None else temperature, torch.float32)
-    filters = (node_rows(top_k, torch.long), node_rows(top_p, torch.float32), node_rows(min_p, torch.float32))
-    if all(x is None for x in filters):  # one launch (Triton) or the twin, chunked below
-        return _descend(tree, _chunked(T, V, use_triton(kernels, target_logits), lambda s, e: sample_logits(
-            target_logits[s:e], temp[s:e], u[s:e], kernels=kernels)), kernels)
-    return _descend(tree, _chunked(T, V, False, lambda s, e: sample_rows(target_probs(
-        target_logits[s:e], temp[s:e], *(None if x is None else x[s:e] for x in filters)), u[s:e])), kernels)
-
-
-def _chunked(T: int, V: int, whole: bool, sample) -> torch.Tensor:
-    """``sample(start, end)`` over rows ``0 .. T`` in chunks of ``SAMPLE_ROW_ELEMENTS // V`` rows (``whole``: at
-    once), concatenated: ``[T]`` int64."""
-    n = T if whole else max(1, SAMPLE_ROW_ELEMENTS // max(V, 1))
-    return torch.cat([sample(s, min(T, s + n)) for s in range(0, T, n)]) if T > n else sample(0, T)
+    choice = sample_logits(target_logits, node_rows(1.0 if temperature is None else temperature, torch.float32), u,
+                           node_rows(top_k, torch.long), node_rows(top_p, torch.float32),
+                           node_rows(min_p, torch.float32), kernels=kernels)
+    return _descend(tree, choice, kernels)
 
 
 def verify_rejection(
