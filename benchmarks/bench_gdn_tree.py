@@ -1,14 +1,15 @@
 """GDN tree verification on the GPU: ours (commit + verify) against serial, per-node and the floor.
 
-Run on the H200 (FLA 0.6.0 carried as wheels, see README):
+Run on the H200 (FLA 0.6.0 carried as wheels, see README; or after the vLLM bundle's install, whose copy of
+FLA's recurrent kernel serves the serial baseline):
     python benchmarks/bench_gdn_tree.py            # writes $OUT/gdn_tree.json (or benchmarks/results/)
     python benchmarks/bench_gdn_tree.py --quick    # a few shapes
 
 Per step and request, every method must produce all tree outputs and leave the state of the
 accepted path in the request's slot:
   ours      stash of the previous step's accepted path (its own inputs, <= depth + 1 tokens) +
-            ``gdn_tree_step``: one launch commits it in place, a second verifies the new tree
-            (``ours_verify_only_ms``: verification alone);
+            ``gdn_tree_step``: one launch commits it in place and verifies the new tree (two launches
+            before 2026-12-05) (``ours_verify_only_ms``: verification alone);
   serial    FLA ``fused_recurrent_gated_delta_rule`` along every root-to-leaf path (one varlen
             launch, initial states gathered per path) + copy of the accepted path's final state;
   per_node  one fused Triton kernel walking the nodes in topological order, each node's full
@@ -83,7 +84,7 @@ def make_case(B, N, cfg, seed, dtype=torch.bfloat16, dev="cuda"):
 
 def run_ours(c, state, pending, verify_only=False):
     """One decode step of ours: stash the previous accepted path, then commit it and verify the
-    tree (two launches)."""
+    tree (one launch)."""
     tree = c["tree_dev"]
     if verify_only:
         return lambda: gdn_tree_step(c["q"], c["k"], c["v"], c["g"], c["beta"], tree, state, c["slots_dev"], None)
@@ -97,8 +98,15 @@ def run_ours(c, state, pending, verify_only=False):
 
 
 def serial_setup(c, state):
-    """Root-to-leaf paths as FLA varlen sequences."""
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    """Root-to-leaf paths as FLA varlen sequences: FLA's own kernel, or where FLA is not installed vLLM's copy of
+    it (``vllm.third_party.flash_linear_attention``: states [V, K], final states in place; the paths' initial
+    states gathered transposed, the same bytes as FLA's gather)."""
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        vllm_copy = False
+    except ImportError:
+        from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule
+        vllm_copy = True
 
     paths = root_to_leaf_paths(c["tree"], c["acc_node"])
     idx = torch.tensor(paths["rows"], device="cuda")
@@ -110,13 +118,15 @@ def serial_setup(c, state):
     slots = c["slots_dev"].long()
 
     def run():
-        h0 = state[req_t]
-        o, ht = fused_recurrent_gated_delta_rule(
-            q=c["q"][idx][None], k=c["k"][idx][None], v=c["v"][idx][None], g=c["g"][idx][None],
-            beta=c["beta"][idx][None], initial_state=h0, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t,
-        )
-        state[slots] = ht[acc_paths]
+        inputs = dict(q=c["q"][idx][None], k=c["k"][idx][None], v=c["v"][idx][None], g=c["g"][idx][None],
+                      beta=c["beta"][idx][None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+        if vllm_copy:
+            h0 = state[req_t].transpose(-1, -2).contiguous()
+            o, ht = fused_recurrent_gated_delta_rule(**inputs, initial_state=h0, inplace_final_state=True)
+            state[slots] = ht[acc_paths].transpose(-1, -2)
+        else:
+            o, ht = fused_recurrent_gated_delta_rule(**inputs, initial_state=state[req_t], output_final_state=True)
+            state[slots] = ht[acc_paths]
         return o
 
     return run, len(paths["rows"])

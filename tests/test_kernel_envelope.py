@@ -24,7 +24,8 @@ KERNELS = ["torch", "triton"]
 TOL = 1e-4
 
 
-def _tree(name: str) -> TreeBatch:
+def _parents(name: str) -> list[list[int]]:
+    """The named boundary batch's parent lists, one per request."""
     gen = torch.Generator().manual_seed(len(name))
     rnd = lambda n, d=16, kind="random": random_tree(n, max_depth=d, kind=kind, generator=gen)  # noqa: E731
     chain = lambda n: list(range(-1, n - 1))  # noqa: E731
@@ -33,7 +34,11 @@ def _tree(name: str) -> TreeBatch:
         "chain63": [chain(64)], "chain64": [chain(65)],
         "ragged": [[-1], rnd(129, 24), [-1], chain(40), rnd(7)],  # root-only requests, three block counts
     }[name]
-    return TreeBatch.from_parents(parents)
+    return parents
+
+
+def _tree(name: str) -> TreeBatch:
+    return TreeBatch.from_parents(_parents(name))
 
 
 BOUNDARY = ["N64", "N65", "N128", "N129", "N256", "chain63", "chain64", "ragged"]
@@ -121,6 +126,36 @@ def test_gdn_bf16_inputs_and_state(kernels):
     """bf16 inputs (bf16 operands, emulated exactly in the interpreter) with a bf16 state, blocked tree."""
     e_out, e_state = _gdn_case(_tree("N129"), kernels, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=6)
     assert e_out < 2e-2 and e_state < 1e-2
+
+
+@pytest.mark.parametrize("v_split", [1, 3])
+def test_gdn_one_launch_commits_then_verifies(v_split):
+    """The Triton step with a pending path AND a tree (one launch): the ragged batch's deepest paths (up to 41
+    tokens: two commit chunks) committed, then a blocked tree verified from the committed states, V = 96 in
+    three tiles of 32 columns, one program per tile (v_split 3) or per (request, head) (v_split 1); against
+    the oracle, the unused slot untouched. A v_split that does not divide the tiles is refused."""
+    from csrc_triton.gdn_tree import gdn_step
+
+    gen = torch.Generator().manual_seed(v_split)
+    first = _tree("ragged")
+    second = TreeBatch.from_parents([p for n in ("N129", "N65", "N64", "chain63", "N128") for p in _parents(n)])
+    B, Hv, K, V = first.num_requests, 2, 64, 96
+    r = lambda T, H, D: torch.randn(T, H, D, generator=gen)  # noqa: E731
+    inputs = lambda T: (r(T, 1, K), r(T, 1, K), r(T, Hv, V), -torch.rand(T, Hv, generator=gen) * 0.3,  # noqa: E731
+                        torch.rand(T, Hv, generator=gen))
+    x1, x2 = inputs(first.num_nodes), inputs(second.num_nodes)
+    state, slots, unused = _slot_cache(B, (Hv, K, V), torch.float32, gen)
+    _, states1 = gdn_tree_reference(first, *x1, state[slots.long()])
+    acc, last = deepest_accepted_paths(first)
+    o_ref, _ = gdn_tree_reference(second, *x2, states1[last])
+    pending, rows = gdn.PendingPath.empty(B + 1, first.max_depth + 1, 1, Hv, K, V, dtype=torch.float32), _pending_rows(B, gen)
+    gdn.stash_accepted_path(pending, rows, first, acc, *x1[1:], kernels="torch")
+    out = torch.full((second.num_nodes, Hv, V), float("nan"))
+    gdn_step(*x2, second, state, slots, K**-0.5, True, pending, rows, out, v_split=v_split)
+    assert torch.isfinite(out).all() and torch.isnan(state[unused]).all()
+    assert rel_err(out, o_ref) < TOL and rel_err(state[slots.long()], states1[last]) < TOL
+    with pytest.raises(ValueError, match="v_split=2"):
+        gdn_step(*x2, second, state, slots, K**-0.5, True, None, None, out, v_split=2)
 
 
 def test_gdn_refuses_unsupported_dims():

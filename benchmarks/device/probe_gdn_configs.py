@@ -1,20 +1,30 @@
-"""Device probe: launch configs of the GDN tree kernels (csrc_triton.gdn_tree) at Qwen3-Next-80B
-shapes, B = 32, bf16 inputs: for verification (block_r, block_v, num_warps, bf16 inverse) the
-error vs float64 and the median time; for the commit of a 9-token pending path (block_v,
-num_warps) the time. Each config runs in its own process so an illegal access does not end the probe.
-    python benchmarks/device/probe_gdn_configs.py [N ...]
+"""Device probe: launch configs of the GDN tree step (csrc_triton.gdn_tree.gdn_step) at Qwen3-Next-80B shapes
+(Hk 16, Hv 32, K = V = 128), bf16 inputs, fp32 state, a 5-token pending path per request, as the engine runs a
+step. Per (B, N): one launch (commit and verification together) against two (commit alone, then
+verification alone: the layout before 2026-12-05, which ran one program per 64-column tile), with V tiles of
+32 or 64 columns, V splits 1 (one program per request and head, V looped), the launcher's default and one
+program per tile, 4 or 8 warps (two launches: 4); the median time of each (CUDA graph), the launcher's default config, and
+the output's error against the float64 oracle. Each (B, N) runs in its own
+process (an illegal access ends only its row). Writes ``gdn_probe_configs.json`` (``rows``: ``B, N, launches,
+block_v, v_split, warps, ms, err, default``) where ``harness.write_results`` puts results.
+    python benchmarks/device/probe_gdn_configs.py [--batches 1 8 32 128] [--nodes 16 64 128]
 """
+import argparse
+import json
+import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 CHILD = r"""
-import sys, torch, triton
+import json, sys, torch, triton
 sys.path.insert(0, '.')
-from csrc_triton.gdn_tree import gdn_commit, gdn_verify
+from csrc_triton.gdn_tree import BLOCK_V, gdn_step, v_splits
 from vllm_bole.gdn import PendingPath
 from vllm_bole.testing.oracles import gdn_tree_reference, random_tree_batch
-N, nw, br, bv, inv = (int(a) for a in sys.argv[1:6])
-B, Hk, Hv, K, V, P = 32, 16, 32, 128, 128, 17
+B, N = int(sys.argv[1]), int(sys.argv[2])
+Hk, Hv, K, V, P, m = 16, 32, 128, 128, 17, 5
 gen = torch.Generator().manual_seed(N)
 tree = random_tree_batch([N] * B, max_depth=16, generator=gen).to('cuda')
 T = tree.num_nodes
@@ -25,26 +35,61 @@ state = torch.randn(B, Hv, K, V, device='cuda') * 0.1
 slots = torch.arange(B, device='cuda', dtype=torch.int32)
 pend = PendingPath.empty(B, P, Hk, Hv, K, V, dtype=torch.bfloat16, device='cuda')
 pend.k.normal_(); pend.v.normal_(); pend.g.uniform_(-0.3, 0); pend.beta.uniform_(0, 1)
-verify = lambda: gdn_verify(q, k, v, g, beta, tree, state, slots, K ** -0.5, True, block_r=br or None, block_v=bv,
-                            num_warps=nw, inv_lowp=bool(inv))
-def commit():
-    pend.length.fill_(9)
-    gdn_commit(state, slots, pend, True, block_v=bv, num_warps=nw)
-o = verify(); torch.cuda.synchronize()
+out = torch.empty(T, Hv, V, dtype=torch.bfloat16, device='cuda')
 o_ref, _ = gdn_tree_reference(tree, q, k, v, g, beta, state)
-err = float((o.double() - o_ref).norm() / o_ref.norm())
-t = [triton.testing.do_bench_cudagraph(f, rep=40, return_mode='median') for f in (verify, commit)]
-print(f'RESULT N={N} warps={nw} BR={br} BV={bv} inv_lowp={inv} err={err:.2e} verify={t[0]:.4f} commit={t[1]:.4f}')
+
+def step(launches, **cfg):
+    def run():
+        pend.length.fill_(m)  # as the engine's stash before each step
+        if launches == 1:
+            gdn_step(q, k, v, g, beta, tree, state, slots, K ** -0.5, True, pend, slots, out, **cfg)
+        else:
+            gdn_step(None, None, None, None, None, None, state, slots, K ** -0.5, True, pend, slots, **cfg)
+            gdn_step(q, k, v, g, beta, tree, state, slots, K ** -0.5, True, None, None, out, **cfg)
+    return run
+
+splits = lambda bv: V // bv if N > 64 else v_splits(B * Hv, V // bv, state.device)  # the launcher's default
+configs = []  # (launches, block_v, v_split, warps): two launches at 4 warps only
+for bv in (32, 64):
+    for nv in sorted({1, splits(bv), V // bv}):
+        configs += [(1, bv, nv, 4), (1, bv, nv, 8), (2, bv, nv, 4)]
+for launches, bv, nv, nw in configs:
+    row = dict(B=B, N=N, launches=launches, block_v=bv, v_split=nv, warps=nw,
+               default=launches == 1 and bv == BLOCK_V and nv == splits(bv) and nw == (8 if N > 64 else 4))
+    cfg = dict(v_split=nv, num_warps=nw, block_v=bv)
+    try:
+        gdn_step(q, k, v, g, beta, tree, state.clone(), slots, K ** -0.5, True, None, None, out, **cfg)
+        torch.cuda.synchronize()
+        row['err'] = float((out.double() - o_ref).norm() / o_ref.norm())
+        saved = state.clone()
+        row['ms'] = triton.testing.do_bench_cudagraph(step(launches, **cfg), rep=40, return_mode='median')
+        state.copy_(saved)
+    except Exception as e:  # noqa: BLE001 - a config that does not launch is a result
+        row['error'] = f'{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ""}'
+    print('ROW ' + json.dumps(row), flush=True)
 """
 
-Ns = [int(x) for x in sys.argv[1:]] or [64, 128, 256]
-for N in Ns:
-    # rows per block: 0 = the default (one block up to 64 nodes); at 64 nodes also two and four blocks (smaller
-    # tiles, fewer spills?); the bf16 inverse only (inv_lowp 1: as accurate and faster at 64 nodes, gdn_probe_configs_n64.log)
-    for br in ((0, 32, 16) if N == 64 else (0,) if N < 64 else (32, 64)):
-        for bv, nw in ((64, 4), (64, 8), (32, 4)):
-            args = [str(N), str(nw), str(br), str(bv), "1"]
-            r = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=180)
-            line = [l for l in r.stdout.splitlines() if l.startswith("RESULT")]
-            err = r.stderr.strip().splitlines()[-1][:160] if r.stderr.strip() else r.returncode
-            print(line[0] if line else f"FAIL N={N} warps={nw} BR={br} BV={bv} inv_lowp=1: {err}", flush=True)
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 128])  # 128: two blocks of 64
+    args = ap.parse_args()
+    rows = []
+    for B in args.batches:
+        for N in args.nodes:
+            r = subprocess.run([sys.executable, "-c", CHILD, str(B), str(N)], capture_output=True, text=True, timeout=240)
+            got = [json.loads(line[4:]) for line in r.stdout.splitlines() if line.startswith("ROW ")]
+            if not got:
+                err = r.stderr.strip().splitlines()[-1][:200] if r.stderr.strip() else f"exit {r.returncode}"
+                got = [dict(B=B, N=N, error=err)]
+            for row in got:
+                print(row, flush=True)
+            rows += got
+    from benchmarks.harness import write_results
+
+    print(write_results("gdn_probe_configs.json", rows, extra=dict(shapes=dict(Hk=16, Hv=32, K=128, V=128, pending=5))))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 registers and spills (Triton's compile metadata; ``ptxas -v`` on the PTX), for the launch configs
 the launchers pick over the envelope (issue 14: the H200 allows 232448 bytes of shared memory
 per block). Run WITHOUT TRITON_INTERPRET:
-    python benchmarks/device/probe_kernel_smem.py
+    python benchmarks/device/probe_kernel_smem.py [gdn] [ssd] [attention]
 The Triton on the CPU machines (3.9) is not the H200's (3.6): this catches configs that cannot
 fit; the device check (check_kernels_envelope.py) is the word on what launches there. The
 kernels of 520a61a (before the envelope work) compile here to shared memory and registers close
@@ -51,22 +51,21 @@ def gdn_cases():
 
     for dt in ("fp32", "bf16"):
         for K, V in ((64, 64), (128, 128), (256, 256), (128, 96)):
+            BV = G._pow2_divisor(V, G.BLOCK_V)
             for BT in (64, 128, 256):
                 one = 64 if K <= 128 else 32
                 BR = BT if BT <= one else 32
-                BV = G._pow2_divisor(V, 32 if K > 128 else 64)
                 multi = BT > BR
-                sig = dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", g="*fp32", beta="*fp32", o=f"*{dt}", dscr="*fp32",
-                           gscr="*fp32", cu_nodes="*i32", anc_mask="*i32", inv_steps="i32", T="i32", state=f"*{dt}",
-                           state_idx="*i32", s_slot="i64", s_h="i64", s_k="i64", s_v="i64", scale="fp32")
-                ce = dict(Hk=1, Hv=2, K=K, V=V, BR=BR, BV=BV, MW=8, MULTI=multi, USE_L2NORM=True, LOWP=dt == "bf16",
-                          EMUL=False, INV_LOWP=dt == "bf16")
-                yield f"gdn_verify {dt} K={K} V={V} BT={BT} BR={BR} BV={BV}", G.gdn_verify_kernel, sig, ce, 4 if BT <= 64 else 8
-            sig = dict(state=f"*{dt}", state_idx="*i32", s_slot="i64", s_h="i64", s_k="i64", s_v="i64", pk=f"*{dt}",
-                       pv=f"*{dt}", pg="*fp32", pbeta="*fp32", plen="*i32", P="i32")
-            BV = G._pow2_divisor(V, 32 if K > 128 else 64)
-            ce = dict(Hk=1, Hv=2, K=K, V=V, BV=BV, CP=32, STEPS=4, USE_L2NORM=True)
-            yield f"gdn_commit {dt} K={K} V={V} CP=32 BV={BV}", G.gdn_commit_kernel, sig, ce, 4
+                for NV in sorted({1, V // BV}):
+                    sig = dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", g="*fp32", beta="*fp32", o=f"*{dt}", dscr="*fp32",
+                               gscr="*fp32", cu_nodes="*i32", anc_mask="*i32", inv_steps="i32", T="i32", state=f"*{dt}",
+                               state_idx="*i32", s_slot="i64", s_h="i64", s_k="i64", s_v="i64", pk=f"*{dt}", pv=f"*{dt}",
+                               pg="*fp32", pbeta="*fp32", plen="*i32", pidx="*i32", P="i32", scale="fp32")
+                    ce = dict(Hk=1, Hv=2, K=K, V=V, BR=BR, BV=BV, NV=NV, MW=8, CP=16, STEPS=3, MULTI=multi,
+                              HAS_TREE=True, HAS_PENDING=True, USE_L2NORM=True, LOWP=dt == "bf16", EMUL=False,
+                              INV_LOWP=dt == "bf16")
+                    yield (f"gdn_step {dt} K={K} V={V} BT={BT} BR={BR} BV={BV} NV={NV}", G.gdn_step_kernel, sig, ce,
+                           8 if multi else 4)
 
 
 def ssd_cases():
@@ -82,7 +81,7 @@ def ssd_cases():
                 sig = dict(x=f"*{dt}", dt=f"*{dt}", Bm=f"*{dt}", Cm=f"*{dt}", y=f"*{dt}", gscr="*fp32", cu_nodes="*i32",
                            anc_mask="*i32", T="i32", A="*fp32", D="*fp32", dt_bias="*fp32", dt_lo="fp32", dt_hi="fp32",
                            state=f"*{dt}", state_idx="*i32", s_slot="i64", s_h="i64", s_p="i64", s_n="i64", px=f"*{dt}",
-                           pdt=f"*{dt}", pB=f"*{dt}", plen="*i32", L="i32")
+                           pdt=f"*{dt}", pB=f"*{dt}", plen="*i32", pidx="*i32", L="i32")
                 ce = dict(H=8, G=8, P=P, N=N, BR=BR, BP=BP, BN=BN, CP=32, MW=8, MULTI=BT > BR, HAS_TREE=True,
                           HAS_PENDING=True, HAS_D=True, HAS_DT_BIAS=True, DT_SOFTPLUS=True, LOWP=dt == "bf16",
                           BF16_EMUL=False, EVEN=P % BP == 0 and BN == N)
@@ -96,18 +95,21 @@ def attention_cases():
         cfgs = list(A.GPU_TILES) if dt == "bf16" else [(16, 16, 4, 1, False)]
         for bm, bn, w, st, swap in cfgs:
             sig = dict(Q=f"*{dt}", K_cache=f"*{dt}", V_cache=f"*{dt}", Out=f"*{dt}", Block_table="*i32",
-                       Prefix_len="*i32", Cu_nodes="*i32", Anc_mask="*i32", Part_acc="*fp32", Part_ml="*fp32",
+                       Prefix_len="*i32", Cu_nodes="*i32", Num_keys="*i32", Anc_mask="*i32", Part_acc="*fp32", Part_ml="*fp32",
                        qk_scale="fp32", num_kv_heads="i32", split_keys="i32",
                        **{f"stride_{n}": "i64" for n in ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "vb", "vs", "vh",
                                                         "bt", "anc", "ps", "pt", "ph", "ms", "mt", "mh")})
             ce = dict(PAGE_SIZE=16, G=8, G_PAD=8, HEAD_DIM=256, HEAD_PAD=256, SPLIT=False, IEEE=dt == "fp32",
-                      BLOCK_M=bm, BLOCK_N=bn, SWAP=swap)
+                      BLOCK_M=bm, BLOCK_N=bn, SWAP=swap, HAS_NUM_KEYS=False)
             yield f"tree_attention {dt} D=256 BM={bm} BN={bn} w={w} st={st} swap={swap}", A._tree_attn_fwd, sig, ce, w, st
 
 
 def main():
     rows = []
+    only = set(sys.argv[1:])  # kernel families to compile (gdn, ssd, attention), default all
     for gen in (gdn_cases, ssd_cases, attention_cases):
+        if only and gen.__name__.removesuffix("_cases") not in only:
+            continue
         for name, fn, sig, ce, *launch in gen():
             try:
                 r = compile_stats(fn, sig, ce, *launch)

@@ -15,10 +15,14 @@
 #       c945ef0: read `controller.json` and the rows' `controller_model`, whose `draft_samples` [requests, searched,
 #       chosen, ms] must now show the search budget, not requests x 32; issue 15: temperature 1 with the loop-free
 #       verification and the sampling kernel: the rows' `verify_commit_ms` at T = 1 against greedy's)
-#  12   MIXED="qwen3_next" mixed cachesave   (issue 13: the row's `one_first_token` {base, ours: [in the mix, alone]}
+#  12   gdnkernel   (issue 14, before the Qwen3-Next mixed run that uses it: the GDN step is ONE launch since
+#       2026-12-05, commit and verification together with the V loop inside; CPU-tested and compiled for sm_90 only.
+#       `gdn_probe_configs.json` says which launch config is fastest (the default is a guess: BV = 32, V splits by
+#       `v_splits`) and whether one launch beats two; `kernel_envelope.json` that it is exact on the GPU)
+#  13   MIXED="qwen3_next" mixed cachesave   (issue 13: the row's `one_first_token` {base, ours: [in the mix, alone]}
 #       says which engine departs at the one-token prompt; ~300 s with the carried caches)
-#  13   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
-#  then, as time allows: `python3 benchmarks/device/check_sampled_verify.py` (bare torch, ~15 s: the sampling
+#  14   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
+#  then, as time allows: gdnbench (~5 min: `gdn_tree.json` at the issue's shapes, against the floor); `python3 benchmarks/device/check_sampled_verify.py` (bare torch, ~15 s: the sampling
 #  kernel's time against the level walk); PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile (at c = 1 the
 #  controller's tree steps took 0.7 ms more than budget 16's at f428370, HumanEval: drafting +0.3, engine +0.4,
 #  where `choose` itself costs ~0.1 ms on the CPU); online; treegraphs. In the matrix rows also read
@@ -522,13 +526,25 @@ build_draft(o, Path('/tmp/pd/tokenizer'), 'bfloat16')" > "$OUT/costprof_build.lo
 
 stage_kernelspeed() {  # issue 14: the SSD and tree-attention kernels against their floors, quick shapes (B = 32, N = 64
     # among them; no vLLM needed), then SSD's launch-config probe at B = 32, N = 64 (P tile x rows per block x warps,
-    # 12 configs a shape, `probe` in the JSON) and GDN's (rows per block x value tile x warps, 9 configs; GDN's own
-    # benchmark needs FLA for its serial baseline, not in the bundle).
+    # 12 configs a shape, `probe` in the JSON); GDN's in `gdnkernel`.
     timeout 280 python3 benchmarks/bench_mamba2_tree.py --quick > "$OUT/mamba2_tree.log" 2>&1
     timeout 280 python3 benchmarks/bench_tree_attention.py --quick > "$OUT/tree_attention.log" 2>&1
-    timeout 200 python3 benchmarks/device/probe_gdn_configs.py 64 > "$OUT/gdn_probe_configs_n64.log" 2>&1
     timeout 60 python3 benchmarks/host_micro.py --reps 1000 > "$OUT/host_micro.log" 2>&1  # the H200 host's CPU
-    for f in mamba2_tree tree_attention gdn_probe_configs_n64 host_micro; do tail -n 9 "$OUT/$f.log" | cut -c1-200; done
+    for f in mamba2_tree tree_attention host_micro; do tail -n 9 "$OUT/$f.log" | cut -c1-200; done
+}
+
+stage_gdnkernel() {  # issue 14: the one-launch GDN step (commit + verification, the V loop inside, 2026-12-05): its
+    # launch configs against the two-launch layout at B = 1-128, N = 16-128 (gdn_probe_configs.json), then every tree
+    # kernel over the envelope (kernel_envelope.json); bare torch, no vLLM, ~4-6 min with the compilations
+    timeout 330 python3 benchmarks/device/probe_gdn_configs.py > "$OUT/gdn_probe_configs.log" 2>&1
+    timeout 240 python3 benchmarks/device/check_kernels_envelope.py > "$OUT/kernel_envelope.log" 2>&1
+    grep -v "^{" "$OUT/gdn_probe_configs.log" | tail -3 | cut -c1-200; tail -n 3 "$OUT/kernel_envelope.log" | cut -c1-200
+}
+
+stage_gdnbench() {  # issue 14: GDN's step against serial, per-node and the floor (gdn_tree.json, its keys unchanged;
+    # the serial baseline from vLLM's copy of FLA's recurrent kernel: after `install`), ~5 min
+    timeout 540 python3 benchmarks/bench_gdn_tree.py > "$OUT/gdn_tree.log" 2>&1
+    tail -n 12 "$OUT/gdn_tree.log" | cut -c1-200
 }
 
 stage_kernels() {  # the Mamba1 tree kernel (issue 19): bench_mamba1_tree.py, ~100 s, no vLLM needed
