@@ -1,7 +1,7 @@
 """Tree attention over a paged KV cache on the GPU: ours against per-branch, dense-mask SDPA and
 the measured roofline floor (Qwen3-Next full-attention layer shapes).
 
-Run on the H200 (no vLLM needed):
+Run on the H200 (no vLLM needed; with vLLM installed also the FlashAttention-prefix variant):
     python benchmarks/bench_tree_attention.py            # writes $OUT/tree_attention.json
                                                           # (benchmarks/results/ when $OUT is unset)
     python benchmarks/bench_tree_attention.py --quick    # a few shapes
@@ -28,8 +28,11 @@ Methods (each timed as one CUDA graph replay, median of triton.testing.do_bench,
   floor       max(bytes / copy bandwidth, flops / bf16 matmul rate), both measured at start.
               bytes: K/V prefix read once per request + nodes' q, k, v read + outputs written;
               flops: 4 * Hq * D * (prefix + |anc*(i)| + 1) per node i (QK^T and PV).
-Correctness first: ours (plain and split-K), per-branch and SDPA against the float64 reference
-on the GPU; bf16 tolerance: relative Frobenius error <= 1e-2 (typical 2-4e-3).
+  ours_flash_prefix  (where vLLM is installed) the prefix from vLLM's FlashAttention (paged, with its
+              log-sum-exp), the tree's keys from our kernel continuing that softmax
+              (``vllm_bole.adapter.flash_prefix``): ``ours_flash_prefix_ms``, ``ours_flash_prefix_x_floor``.
+Correctness first: ours (plain, split-K and with FlashAttention's prefix), per-branch and SDPA against the
+float64 reference on the GPU; bf16 tolerance: relative Frobenius error <= 1e-2 (typical 2-4e-3).
 """
 from __future__ import annotations
 
@@ -98,6 +101,16 @@ def count(c):
     nbytes = B * P * hkv * d * 2 * es + T * (hq + 2 * hkv) * d * es + T * hq * d * es
     flops = 4 * hq * d * (T * P + int((tree.depth.long() + 1).sum()))
     return nbytes, flops
+
+
+def flash_prefix_variant() -> tuple:
+    """(("ours_flash_prefix", its keyword),) where vLLM's FlashAttention can run (the prefix from
+    ``vllm_bole.adapter.flash_prefix``, the tree's keys from our kernel), else ()."""
+    from vllm_bole.adapter import flash_prefix
+
+    if not flash_prefix.available():
+        return ()
+    return (("ours_flash_prefix", {"prefix_attention": flash_prefix.flash_prefix_attention}),)
 
 
 def ours_fn(c, out, **kw):
@@ -236,7 +249,7 @@ def check_case(B, N, P, seed, device, dtype, tol, **ours_kw):
     c = make_case(B, N, P, seed, device, dtype)
     ref = reference(c)
     res = {"B": B, "N": N, "prefix": P}
-    for name, kw in (("ours", {}), ("ours_split4", {"num_splits": 4})):
+    for name, kw in (("ours", {}), ("ours_split4", {"num_splits": 4})) + flash_prefix_variant():
         out = torch.full_like(c["q"], float("nan"))
         ours_fn(c, out, **kw, **ours_kw)()
         res[name] = rel_err(out, ref)
@@ -248,7 +261,7 @@ def check_case(B, N, P, seed, device, dtype, tol, **ours_kw):
     variant, fn = pick_sdpa(s)
     res["sdpa"] = rel_err(sdpa_out_flat(fn(), B, N), ref)
     res["sdpa_variant"] = variant
-    for k in ("ours", "ours_split4", "per_branch", "sdpa"):
+    for k in ("ours", "ours_split4", "per_branch", "sdpa") + tuple(name for name, _ in flash_prefix_variant()):
         ok = res[k][0] <= tol and math.isfinite(res[k][0])
         res[k] = {"rel": res[k][0], "max_abs": res[k][1], "ok": ok}
     return res
@@ -278,6 +291,8 @@ def time_row(B, N, P, seed, ceil, timer, device, dtype, sweep=False):
     out = torch.empty_like(c["q"])
     row = {"B": B, "N": N, "prefix": P}
     row["ours_ms"] = timer(ours_fn(c, out))
+    for name, kw in flash_prefix_variant():
+        row[f"{name}_ms"] = timer(ours_fn(c, out, **kw))
     br = per_branch_setup(c)
     out_br = torch.empty_like(br["q"])
     row["per_branch_ms"] = timer(per_branch_fn(c, br, out_br))
@@ -297,6 +312,8 @@ def time_row(B, N, P, seed, ceil, timer, device, dtype, sweep=False):
         ours_tflops=flops / (row["ours_ms"] * 1e-3) / 1e12, ours_x_floor=row["ours_ms"] / floor,
         per_branch_x=row["per_branch_ms"] / row["ours_ms"], sdpa_x=row["sdpa_ms"] / row["ours_ms"],
     )
+    if "ours_flash_prefix_ms" in row:
+        row["ours_flash_prefix_x_floor"] = row["ours_flash_prefix_ms"] / floor
     if sweep and device.type == "cuda":
         from csrc_triton.tree_attention import GPU_TILES
 
@@ -357,7 +374,7 @@ def main():
     checks.append(check_compaction(device, dtype))
     for ch in checks:
         print("check", json.dumps(ch), flush=True)
-    all_ok = all(ch[k]["ok"] for ch in checks[:-1] for k in ("ours", "ours_split4", "per_branch", "sdpa"))
+    all_ok = all(v["ok"] for ch in checks[:-1] for v in ch.values() if isinstance(v, dict))
     all_ok = all_ok and checks[-1]["compaction_equal"]
     print(f"checks {'passed' if all_ok else 'FAILED'} ({time.time() - t_start:.0f} s)", flush=True)
 
@@ -369,7 +386,8 @@ def main():
         is_target = (B, N, P) == (TARGET["B"], TARGET["N"], TARGET["prefix"])
         row = time_row(B, N, P, 100 + i, ceil, bench_graph_ms, device, dtype, sweep=is_target)
         rows.append(row)
-        print(f"B={B:3d} N={N:3d} prefix={P:6d}: ours {row['ours_ms']:.4f} ms, per-branch {row['per_branch_ms']:.4f}, "
+        fp = f" (prefix from FlashAttention {row['ours_flash_prefix_ms']:.4f})" if "ours_flash_prefix_ms" in row else ""
+        print(f"B={B:3d} N={N:3d} prefix={P:6d}: ours {row['ours_ms']:.4f} ms{fp}, per-branch {row['per_branch_ms']:.4f}, "
               f"sdpa {row['sdpa_ms']:.4f} ({row['sdpa_variant']}), floor {row['floor_ms']:.4f} ({row['floor_bound']}) "
               f"[{time.time() - t_start:.0f} s]", flush=True)
     tgt = [r for r in rows if (r["B"], r["N"], r["prefix"]) == (TARGET["B"], TARGET["N"], TARGET["prefix"])]

@@ -156,14 +156,18 @@ def _attend(
 
 @triton.jit
 def _attn_body(
-    Q, Out, Part_acc, Part_ml, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp, P, kv_len, lo,
-    mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb, stride_vs,
-    stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
+    Q, Out, Part_acc, Part_ml, Pre_out, Pre_lse, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp, P,
+    kv_len, lo, mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb,
+    stride_vs, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh, stride_lh, stride_lt,
     PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
+    PREFIX_IN: tl.constexpr,
 ):
     """The online softmax over keys [lo, hi) of one query block: unmasked prefix tiles [lo, mid),
-    then masked tiles [mid, hi); writes the normalised output, or the split's partial."""
+    then masked tiles [mid, hi); writes the normalised output, or the split's partial. PREFIX_IN: the keys
+    before ``lo`` were attended elsewhere (normalised output ``Pre_out`` [T, Hq, D] strided as ``Out``,
+    log-sum-exp ``Pre_lse`` [Hq, T] in natural-log units of the scaled scores; a non-finite one: no keys),
+    i.e. the online state (m = lse in log2 units, l = 1, acc = output): merged in before the store."""
     offs_d = tl.arange(0, HEAD_PAD)
     t, head, row_ok = _rows(qb, node_start, n_nodes, h, G, G_PAD, BLOCK_M)
     t_r, d_c = _outer(t, offs_d, SWAP)
@@ -184,6 +188,18 @@ def _attn_body(
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, Anc_mask, bt_row, k_base, v_base, start, kv_len, P, t, row_ok,
                                 qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_anc,
                                 PAGE_SIZE, HEAD_DIM, HEAD_PAD, IEEE, BLOCK_N, True, SWAP)
+    if PREFIX_IN:
+        lse = tl.load(Pre_lse + head * stride_lh + t * stride_lt, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        m_p = tl.where((lse == lse) & (tl.abs(lse) < float("inf")), lse, float("-inf"))  # FA: +inf without keys
+        m_new = tl.maximum(tl.maximum(m_i, m_p), -1e30)  # finite: padding rows have no keys at all
+        w_p = tl.exp2(m_p - m_new)
+        w_t = tl.exp2(m_i - m_new)
+        l_i = l_i * w_t + w_p
+        w_p_r, _ = _outer(w_p, offs_d, SWAP)
+        w_t_r, _ = _outer(w_t, offs_d, SWAP)
+        pre = tl.load(Pre_out + t_r * stride_ot + head_r * stride_oh + d_c, mask=ok_r & dm_c & (w_p_r > 0.0),
+                      other=0.0)
+        acc = acc * w_t_r + pre.to(tl.float32) * w_p_r
     if SPLIT:
         tl.store(Part_acc + sp.to(tl.int64) * stride_ps + t_r * stride_pt + head_r * stride_ph + d_c, acc, mask=ok_r)
         pm = Part_ml + sp.to(tl.int64) * stride_ms + t * stride_mt + head * stride_mh
@@ -207,14 +223,16 @@ def _tree_attn_fwd(
     Anc_mask,  # [T, W] int32 bit words, local node (key) indices
     Part_acc,  # [S, T, Hq, HEAD_PAD] fp32 (SPLIT only)
     Part_ml,  # [S, T, Hq, 2] fp32 (SPLIT only): running max (log2 units) and sum
+    Pre_out,  # [T, Hq, D] (PREFIX_IN only): the prefix's attention, strided as Out
+    Pre_lse,  # [Hq, T] fp32 (PREFIX_IN only): its log-sum-exp (natural log)
     qk_scale,  # softmax scale * log2(e)
     num_kv_heads,
     split_keys,  # keys per split (multiple of BLOCK_N)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
+    stride_bt, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh, stride_lh, stride_lt,
     PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SWAP: tl.constexpr, HAS_NUM_KEYS: tl.constexpr,
+    SWAP: tl.constexpr, HAS_NUM_KEYS: tl.constexpr, PREFIX_IN: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
     qb = tl.program_id(0)
@@ -235,6 +253,9 @@ def _tree_attn_fwd(
     if SPLIT:
         lo = sp * split_keys
         hi = tl.minimum(lo + split_keys, kv_len)
+    elif PREFIX_IN:  # the prefix's keys are in Pre_out / Pre_lse: the tree's keys only
+        lo = P
+        hi = kv_len
     else:
         lo = 0
         hi = kv_len
@@ -244,10 +265,10 @@ def _tree_attn_fwd(
     k_base = K_cache + h * stride_kh
     v_base = V_cache + h * stride_vh
     _attn_body(
-        Q, Out, Part_acc, Part_ml, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp, P, kv_len,
-        lo, mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb,
-        stride_vs, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
-        PAGE_SIZE, G, G_PAD, HEAD_DIM, HEAD_PAD, SPLIT, IEEE, BLOCK_M, BLOCK_N, SWAP,
+        Q, Out, Part_acc, Part_ml, Pre_out, Pre_lse, Anc_mask, bt_row, k_base, v_base, qb, node_start, n_nodes, h, sp,
+        P, kv_len, lo, mid, hi, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_vb,
+        stride_vs, stride_anc, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh, stride_lh, stride_lt,
+        PAGE_SIZE, G, G_PAD, HEAD_DIM, HEAD_PAD, SPLIT, IEEE, BLOCK_M, BLOCK_N, SWAP, PREFIX_IN,
     )
 
 
@@ -344,8 +365,13 @@ def tree_attention_triton(
     num_stages: int | None = None,
     swap: bool = False,
     num_keys: torch.Tensor | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Launch the tree attention kernel; arguments as ``vllm_bole.attention.tree_attention``.
+
+    ``prefix`` = (output [T, Hq, D] strided as ``out``, log-sum-exp [Hq, T] fp32): the nodes' attention over
+    their prefixes alone, computed elsewhere; the kernel then reads only the tree's keys and continues that
+    softmax (no key splits).
 
     ``max_nodes`` / ``max_kv_len`` (host ints: the largest tree and largest prefix + tree of the
     batch; upper bounds are fine) size the grid and the splits without a device sync.
@@ -367,12 +393,16 @@ def tree_attention_triton(
     ieee = q.dtype == torch.float32
     # fp32 inputs (correctness paths) take a small tile: big fp32 tiles spill kilobytes and compile for a minute
     rule = block_m is None and q.is_cuda and not (INTERPRET or ieee)
-    if rule:
-        bm, bn, warps, stages = gpu_tile(max_kv_len, G_PAD)
+    if rule:  # with the prefix attended elsewhere the kernel reads the tree's keys only
+        bm, bn, warps, stages = gpu_tile(max_kv_len if prefix is None else max_nodes, G_PAD)
     else:
         bm, bn, warps, stages = block_m or max(16 if ieee else 32, G_PAD), 16, 4, (1 if ieee else 2)
     bn, warps, stages = block_n or bn, num_warps or warps, num_stages or stages
-    S = num_splits if num_splits is not None else choose_num_splits(B, Hkv, max_nodes, G_PAD, max_kv_len, q.device)
+    if prefix is not None:
+        assert prefix[0].stride() == out.stride() and prefix[1].shape == (Hq, T)
+        S = 1
+    else:
+        S = num_splits if num_splits is not None else choose_num_splits(B, Hkv, max_nodes, G_PAD, max_kv_len, q.device)
     split_keys = 0
     if S > 1:
         align = SPLIT_ALIGN if rule else bn  # splits start on tile boundaries
@@ -385,19 +415,20 @@ def tree_attention_triton(
     else:
         part_acc = torch.empty(1, 1, 1, 1, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(1, 1, 1, 2, device=q.device, dtype=torch.float32)
+    pre_out, pre_lse = prefix if prefix is not None else (out, part_ml)
     args = (
         q, key_cache, value_cache, out, block_table, prefix_len, cu_nodes,
-        num_keys if num_keys is not None else cu_nodes, anc_mask, part_acc, part_ml,
+        num_keys if num_keys is not None else cu_nodes, anc_mask, part_acc, part_ml, pre_out, pre_lse,
         float(scale) * _LOG2E, Hkv, split_keys,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), anc_mask.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2), pre_lse.stride(0), pre_lse.stride(1),
     )
     consts = dict(PAGE_SIZE=page_size, G=G, G_PAD=G_PAD, HEAD_DIM=D, HEAD_PAD=HEAD_PAD, SPLIT=split, IEEE=ieee,
-                  HAS_NUM_KEYS=num_keys is not None)
+                  HAS_NUM_KEYS=num_keys is not None, PREFIX_IN=prefix is not None)
     assert bm >= G_PAD and bm >= 16 and bn >= 16 and (bm & (bm - 1)) == 0 and (bn & (bn - 1)) == 0
     grid = (triton.cdiv(max_nodes, bm // G_PAD), B * Hkv, S)
     _tree_attn_fwd[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, SWAP=bool(swap), num_warps=warps, num_stages=stages)

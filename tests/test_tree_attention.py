@@ -24,6 +24,7 @@ from vllm_bole.attention import (
     write_tree_kv,
 )
 from vllm_bole.attention.kv_compaction.reference import compaction_reference
+from vllm_bole.attention.tree_attention.naive import prefix_attention_torch
 from vllm_bole.spec_decode.tree import TreeBatch
 from vllm_bole.testing.oracles import (
     attention_tree_reference,
@@ -178,6 +179,10 @@ def test_tree_attention_shapes(shape, kernels):
         (4, 2, 32, 16, {"block_m": 16, "block_n": 32}),  # several query blocks per request
         (4, 2, 32, 16, {"block_m": 16, "block_n": 16, "swap": True}),  # kernel form with swapped operands
         (6, 2, 24, 16, {"block_m": 32, "block_n": 16, "swap": True, "num_splits": 2}),
+        # the prefix's attention computed apart (FlashAttention on the GPU; here its torch stand-in), the kernel
+        # continuing it over the tree's keys: prefixes of 0 keys (lse +inf) and tails starting inside a tile
+        (4, 2, 32, 16, {"prefix_attention": prefix_attention_torch}),
+        (8, 1, 24, 16, {"prefix_attention": prefix_attention_torch, "block_m": 16, "swap": True}),
     ],
 )
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -96,12 +96,14 @@ def attention_cases():
         for bm, bn, w, st, swap in cfgs:
             sig = dict(Q=f"*{dt}", K_cache=f"*{dt}", V_cache=f"*{dt}", Out=f"*{dt}", Block_table="*i32",
                        Prefix_len="*i32", Cu_nodes="*i32", Num_keys="*i32", Anc_mask="*i32", Part_acc="*fp32", Part_ml="*fp32",
-                       qk_scale="fp32", num_kv_heads="i32", split_keys="i32",
+                       Pre_out=f"*{dt}", Pre_lse="*fp32", qk_scale="fp32", num_kv_heads="i32", split_keys="i32",
                        **{f"stride_{n}": "i64" for n in ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "vb", "vs", "vh",
-                                                        "bt", "anc", "ps", "pt", "ph", "ms", "mt", "mh")})
-            ce = dict(PAGE_SIZE=16, G=8, G_PAD=8, HEAD_DIM=256, HEAD_PAD=256, SPLIT=False, IEEE=dt == "fp32",
-                      BLOCK_M=bm, BLOCK_N=bn, SWAP=swap, HAS_NUM_KEYS=False)
-            yield f"tree_attention {dt} D=256 BM={bm} BN={bn} w={w} st={st} swap={swap}", A._tree_attn_fwd, sig, ce, w, st
+                                                        "bt", "anc", "ps", "pt", "ph", "ms", "mt", "mh", "lh", "lt")})
+            for pre in (False, True):  # True: the prefix's softmax from FlashAttention, the tree's keys here
+                ce = dict(PAGE_SIZE=16, G=8, G_PAD=8, HEAD_DIM=256, HEAD_PAD=256, SPLIT=False, IEEE=dt == "fp32",
+                          BLOCK_M=bm, BLOCK_N=bn, SWAP=swap, HAS_NUM_KEYS=False, PREFIX_IN=pre)
+                yield (f"tree_attention {dt} D=256 BM={bm} BN={bn} w={w} st={st} swap={swap} prefix_in={pre}",
+                       A._tree_attn_fwd, sig, ce, w, st)
 
 
 def main():

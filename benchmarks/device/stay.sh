@@ -22,7 +22,9 @@
 #  13   MIXED="qwen3_next" mixed cachesave   (issue 13: the row's `one_first_token` {base, ours: [in the mix, alone]}
 #       says which engine departs at the one-token prompt; ~300 s with the carried caches)
 #  14   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
-#  then, as time allows: gdnbench (~5 min: `gdn_tree.json` at the issue's shapes, against the floor); `python3 benchmarks/device/check_sampled_verify.py` (bare torch, ~15 s: the sampling
+#  then, as time allows: gdnbench (~5 min: `gdn_tree.json` at the issue's shapes, against the floor); kernelspeed
+#  (after install: `tree_attention.json` now also times the prefix from vLLM's FlashAttention with our kernel on the
+#  tree's keys, `ours_flash_prefix_ms` / `_x_floor`: issue 14 item 4, 2.1x the floor with our kernel alone); `python3 benchmarks/device/check_sampled_verify.py` (bare torch, ~15 s: the sampling
 #  kernel's time against the level walk); PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile (at c = 1 the
 #  controller's tree steps took 0.7 ms more than budget 16's at f428370, HumanEval: drafting +0.3, engine +0.4,
 #  where `choose` itself costs ~0.1 ms on the CPU); online; treegraphs. In the matrix rows also read

@@ -131,6 +131,7 @@ def tree_attention(
     num_stages: int | None = None,
     swap: bool = False,
     num_keys: torch.Tensor | None = None,
+    prefix_attention=None,
 ) -> torch.Tensor:
     """Attention of every tree node over its request's prefix and its ancestors-or-self.
 
@@ -152,6 +153,13 @@ def tree_attention(
     ``num_keys[b]`` nodes sit at ``prefix_len .. prefix_len + num_keys`` (a tree drafter's newest
     level over the nodes drafted before it); ``anc_mask`` bits then index those keys, and a query
     sees the prefix and the keys its bits allow. Default: one key per query node (the tree itself).
+
+    ``prefix_attention`` (Triton only; the torch path computes everything itself): a function
+    ``(q, key_cache, value_cache, block_table, prefix_len, cu_nodes, *, scale, max_nodes, max_prefix_len,
+    out) -> lse`` that writes every node's attention over its prefix alone into ``out`` and returns the
+    log-sum-exp [Hq, T] fp32 (non-finite: no prefix): a vendor kernel for the unmasked prefix (the adapter's
+    ``flash_prefix_attention``: FlashAttention), after which the Triton kernel reads the tree's keys only
+    and continues that softmax. ``naive.prefix_attention_torch`` is its CPU stand-in.
     """
     T, Hq, D = q.shape
     if scale is None:
@@ -170,11 +178,16 @@ def tree_attention(
             max_nodes = int((cu[1:] - cu[:-1]).max())
     if max_kv_len is None:  # a device sync unless prefix_len lives on the host
         max_kv_len = int(prefix_len.max()) + (int(num_keys.max()) if num_keys is not None else int(max_nodes))
+    prefix = None
+    if prefix_attention is not None:
+        pre_out = torch.empty_like(out)
+        prefix = pre_out, prefix_attention(q, key_cache, value_cache, block_table, prefix_len, cu, scale=scale,
+                                           max_nodes=max_nodes, max_prefix_len=max_kv_len, out=pre_out)
     return _kernel().tree_attention_triton(
         q, key_cache, value_cache, block_table, prefix_len, cu, tree.anc_mask,
         scale=scale, out=out, max_nodes=max_nodes, max_kv_len=max_kv_len,
         num_splits=num_splits, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        swap=swap, num_keys=num_keys,
+        swap=swap, num_keys=num_keys, prefix=prefix,
     )
 
 

@@ -57,3 +57,33 @@ def tree_attention_torch(
         o = torch.bmm(p, v.transpose(0, 1)).view(Hkv, n, G, D).permute(1, 0, 2, 3)
         out[s:e] = o.reshape(n, Hq, D).to(out.dtype)
     return out
+
+
+def prefix_attention_torch(q, key_cache, value_cache, block_table, prefix_len, cu_nodes, *, scale, out, **_) -> torch.Tensor:
+    """Every node's attention over its request's prefix alone (no tree keys), as FlashAttention computes it for
+    ``tree_attention``'s ``prefix_attention``: writes the normalised output into ``out`` [T, Hq, D] (0 for a request
+    without prefix) and returns the log-sum-exp of the scaled scores [Hq, T] fp32 (+inf without prefix, as
+    FlashAttention's). The CPU stand-in of the adapter's FlashAttention call (tests, the torch path)."""
+    T, Hq, D = q.shape
+    _, bs, Hkv, _ = key_cache.shape
+    G = Hq // Hkv
+    lse = torch.full((Hq, T), float("inf"), dtype=torch.float32, device=q.device)
+    cu, P = cu_nodes.tolist(), prefix_len.tolist()
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        n, L = e - s, P[b]
+        if n == 0:
+            continue
+        if L == 0:
+            out[s:e] = 0
+            continue
+        pos = torch.arange(L, device=q.device)
+        blk = block_table[b].long()[pos // bs]
+        k = key_cache[blk, pos % bs].float()  # [L, Hkv, D]
+        v = value_cache[blk, pos % bs].float()
+        qq = q[s:e].float().view(n, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, n * G, D)
+        scores = torch.bmm(qq, k.permute(1, 2, 0)) * scale  # [Hkv, n G, L]
+        o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))
+        out[s:e] = o.view(Hkv, n, G, D).permute(1, 0, 2, 3).reshape(n, Hq, D).to(out.dtype)
+        lse[:, s:e] = torch.logsumexp(scores, dim=-1).view(Hkv, n, G).permute(0, 2, 1).reshape(Hq, n)
+    return lse

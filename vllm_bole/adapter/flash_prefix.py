@@ -1,0 +1,56 @@
+"""The unmasked prefix half of tree attention from vLLM's own FlashAttention (issue 14 item 4).
+
+A tree node attends to its request's whole prefix without a mask and to its ancestors in the tree with
+one. The prefix is almost all of the work (8192 keys against at most 256 tree keys at the issue's
+shape), and it is exactly the paged decode-with-context attention vLLM's FlashAttention backend runs
+for a chunked prefill's context (``flash_attn_varlen_func`` with ``seqused_k`` and a block table,
+returning the log-sum-exp): FA3's wgmma/TMA kernels on Hopper, where our Triton kernel reached 2.1x the
+compute floor. :func:`flash_prefix_attention` is that call in the shape of
+``vllm_bole.attention.tree_attention``'s ``prefix_attention``; the Triton kernel then reads only the
+tree's keys and continues the softmax from FlashAttention's (output, lse).
+
+Decision: not used by the engine yet. ``benchmarks/bench_tree_attention.py`` times it beside the Triton
+kernel (``ours_flash_prefix_ms``) where vLLM is installed; the layer object takes it once that row shows
+it faster. Its CPU stand-in (``tree_attention.naive.prefix_attention_torch``) is tested against the whole
+kernel; this call itself runs on a GPU only.
+"""
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=1)
+def _flash():
+    """(vLLM's ``flash_attn_varlen_func``, its FlashAttention version for this GPU)."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func, get_flash_attn_version()
+
+
+def available() -> bool:
+    """Whether vLLM's FlashAttention can run here (CUDA, the extension importable)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _flash()
+    except (ImportError, RuntimeError, AssertionError):
+        return False
+    return True
+
+
+def flash_prefix_attention(q, key_cache, value_cache, block_table, prefix_len, cu_nodes, *, scale, max_nodes,
+                           max_prefix_len, out):
+    """Every node's attention over its request's prefix alone, into ``out`` [T, Hq, D]; returns the log-sum-exp
+    [Hq, T] fp32 (+inf for a request without prefix). Arguments as ``tree_attention``'s (the caches
+    ``[num_blocks, block_size, Hkv, D]``, block table and ``cu_nodes`` int32; ``max_nodes`` / ``max_prefix_len``
+    host upper bounds)."""
+    import torch
+
+    fn, version = _flash()
+    _, lse = fn(q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu_nodes, max_seqlen_q=max_nodes,
+                seqused_k=prefix_len.to(torch.int32), max_seqlen_k=max_prefix_len, softmax_scale=scale, causal=False,
+                block_table=block_table, return_softmax_lse=True, fa_version=version)
+    return lse
