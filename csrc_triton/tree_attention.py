@@ -25,7 +25,10 @@ Tree attention kernel (``_tree_attn_fwd``), flash-decoding style:
     operand, P is the register A operand of P V) and swapped (S^T = K Q^T, acc^T = V^T P^T),
     the usual trick for small M;
   * optional split-K over the key range (for small batches): each split writes an unnormalised
-    partial (acc, m, l) in fp32 and ``_tree_attn_reduce`` merges them.
+    partial (acc, m, l) in fp32 and ``_tree_attn_reduce`` merges them;
+  * optional prefix from elsewhere (``PREFIX_IN``): the prefix's normalised output and log-sum-exp
+    (vLLM's FlashAttention, ``vllm_bole.adapter.flash_prefix``) are merged into the online state
+    before the store, and the kernel reads only the tree's keys.
 """
 from __future__ import annotations
 
