@@ -21,24 +21,25 @@ import functools
 
 @functools.lru_cache(maxsize=1)
 def _flash():
-    """(vLLM's ``flash_attn_varlen_func``, its FlashAttention version for this GPU)."""
-    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    """(vLLM's ``flash_attn_varlen_func`` for this platform, its FlashAttention version for this GPU), as
+    vLLM's FlashAttention backend picks them (``fa_utils``)."""
+    from vllm.v1.attention.backends import fa_utils
 
-    return flash_attn_varlen_func, get_flash_attn_version()
+    return fa_utils.flash_attn_varlen_func, fa_utils.get_flash_attn_version()
 
 
 def available() -> bool:
-    """Whether vLLM's FlashAttention can run here (CUDA, the extension importable)."""
+    """Whether vLLM's FlashAttention can run here (CUDA, its extension importable)."""
     import torch
 
     if not torch.cuda.is_available():
         return False
     try:
-        _flash()
-    except (ImportError, RuntimeError, AssertionError):
+        from vllm.v1.attention.backends import fa_utils
+
+        return fa_utils.is_flash_attn_varlen_func_available() and _flash()[1] is not None
+    except (ImportError, AttributeError, RuntimeError, AssertionError):
         return False
-    return True
 
 
 def flash_prefix_attention(q, key_cache, value_cache, block_table, prefix_len, cu_nodes, *, scale, max_nodes,
