@@ -89,8 +89,9 @@ def test_core_imports_without_vllm():
 def test_tree_steps_never_dispatched_as_uniform_decode():
     """A batch of root-only trees has one token per request, which vLLM takes for a uniform decode
     and would replay as a FULL CUDA graph without the tree overrides (seen on the H200): the runner
-    forces tree steps to be mixed batches and leaves plain steps to vLLM, counting the graph mode vLLM
-    gives each plain step it prepared (not capture or dummy runs)."""
+    forces tree steps to be mixed batches, and plain steps with a request still in its prompt, and leaves the
+    other plain steps to vLLM, counting the graph mode vLLM gives each plain step it prepared (not capture or
+    dummy runs)."""
     from types import SimpleNamespace
 
     from vllm_bole.adapter.runner import TreeRunnerMixin
@@ -102,8 +103,12 @@ def test_tree_steps_never_dispatched_as_uniform_decode():
     class Runner(TreeRunnerMixin, Base):
         pass
 
+    import numpy as np
+
     r = Runner()
     r._bole_stats = dict(plain_full_steps=0, plain_piecewise_steps=0, plain_eager_steps=0)
+    r.input_batch = SimpleNamespace(num_reqs=2, num_computed_tokens_cpu=np.array([7, 3, 0]),
+                                    num_prompt_tokens=np.array([5, 3, 1]))  # two decodes (a stale third row)
     r._bole_step, r._bole_plain_mode_due = object(), False
     assert r._determine_batch_execution_and_padding(4, 4)[1] is False
     r._bole_step = None
@@ -116,6 +121,14 @@ def test_tree_steps_never_dispatched_as_uniform_decode():
     r._determine_batch_execution_and_padding(4, 4, force_uniform_decode=True)
     r._determine_batch_execution_and_padding(4, 4)  # a dummy run after it: not counted
     assert (r._bole_stats["plain_full_steps"], r._bole_stats["plain_eager_steps"]) == (1, 1)
+    # a plain step with a one-token prompt among the decodes (vLLM's V1 would replay a FULL decode graph, whose
+    # recurrent layers then read and write stale state slots for that row): a mixed batch
+    r.input_batch.num_reqs, r._bole_plain_mode_due = 3, True
+    assert r._determine_batch_execution_and_padding(3, 3)[1] is False
+    assert r._bole_stats["plain_eager_steps"] == 2
+    r.input_batch.num_computed_tokens_cpu[2] = 1  # that prompt done: its next step decodes as vLLM dispatches it
+    r._bole_plain_mode_due = True
+    assert r._determine_batch_execution_and_padding(3, 3)[1] is None
 
 
 def test_plain_rows_first_in_few_swaps():

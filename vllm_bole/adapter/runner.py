@@ -602,7 +602,10 @@ class TreeRunnerMixin:
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         # A tree step is a mixed batch even when every tree is its root alone (one token per request,
         # which vLLM would take for a uniform decode and replay as a FULL graph, skipping the overrides).
-        if self._bole_step is not None:
+        # So is a plain step with a request still in its prompt (a one-token prompt, a one-token last chunk):
+        # :meth:`_bole_prefilling`.
+        if self._bole_step is not None or (self._bole_plain_mode_due and kwargs.get("force_uniform_decode") is None
+                                           and self._bole_prefilling()):
             kwargs["force_uniform_decode"] = False
         out = super()._determine_batch_execution_and_padding(*args, **kwargs)
         if self._bole_step is None and self._bole_plain_mode_due:
@@ -612,6 +615,23 @@ class TreeRunnerMixin:
             mode = out[0].name.lower()
             self._bole_stats[f"plain_{'eager' if mode == 'none' else mode}_steps"] += 1
         return out
+
+    def _bole_prefilling(self) -> bool:
+        """Whether a request of the persistent batch is still in its prompt (vLLM's ``is_prefilling``).
+
+        Decision: such a step never replays a FULL decode graph. vLLM 0.33's V1 runner dispatches by shape
+        alone: one token for every request is a uniform decode, FULL graph, even when one of them is a one-token
+        prompt. Its recurrent builders (GDN, Mamba) then count that row as a prefill (no prior state: a zero
+        initial state, not the slot's recycled one) and, with a prefill in the batch, leave the graph's staged
+        decode state indices as the previous step left them: the graph's decode kernels read and write the wrong
+        state slots for that row (a stale index, or the null block). vLLM's V2 runner excludes such batches from
+        full decode graphs (``has_prefill``); the plugin forces V1 (README, "Model runner"), so it excludes them
+        here: the step runs vLLM's mixed mode (piecewise graphs, the builders' prefill path). Suspected cause of
+        Qwen3-Next's mixed-batch failure on the H100 at f428370 (a one-token prompt's first token parted) and
+        not yet confirmed there; the cost is a piecewise step where a prompt ends in one token."""
+        ib = self.input_batch
+        n = ib.num_reqs
+        return bool((ib.num_computed_tokens_cpu[:n] < ib.num_prompt_tokens[:n]).any())
 
     def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, *args, **kwargs):
         step = self._bole_step
