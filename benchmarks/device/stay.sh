@@ -20,7 +20,9 @@
 #       `gdn_probe_configs.json` says which launch config is fastest (the default is a guess: BV = 32, V splits by
 #       `v_splits`) and whether one launch beats two; `kernel_envelope.json` that it is exact on the GPU)
 #  13   MIXED="qwen3_next" mixed cachesave   (issue 13: the row's `one_first_token` {base, ours: [in the mix, alone]}
-#       says which engine departs at the one-token prompt; ~300 s with the carried caches)
+#       says which engine departs at the one-token prompt; ~300 s with the carried caches. Since 9e97463 our plain
+#       steps with a request in its prompt never replay a FULL decode graph (vLLM's V1 staged stale state indices
+#       for such a row): the suspected cause; `plain_full_steps` / `plain_eager_steps` in the stats)
 #  14   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
 #  then, as time allows: gdnbench (~5 min: `gdn_tree.json` at the issue's shapes, against the floor); kernelspeed
 #  (after install: `tree_attention.json` now also times the prefix from vLLM's FlashAttention with our kernel on the
