@@ -19,10 +19,11 @@ Models (HF checkpoints that vLLM loads natively; bf16 weights; SmolLM2's tokeniz
     final hidden state (~2.1M parameters at hidden 512), ``mtp`` one block over (state, token) applied
     recurrently (~6.8M, mostly its 128-wide token embedding), each trained on the frozen target
     (``--head-target``, default ``nemotron_h``) after it. Self-distilled: the label of depth ``d`` at
-    position ``t`` is the target's own greedy token there (``argmax`` of its logits at ``t + d``), and
-    the MTP head steps on those tokens (teacher forcing); loss the mean cross-entropy over depths.
-    Evaluation: per depth, how often the head's top-1 equals that greedy token on held-out text
-    (``top1_agreement_by_depth``: a greedy chain's ``d``-th node accepted given the ones before it).
+    position ``t`` is the target's own greedy token there (``argmax`` of its logits at ``t + d``, the text
+    before it as context), and the MTP head steps on the text's tokens that context holds (teacher forcing;
+    ``_head_logits``); loss the mean cross-entropy over depths. Evaluation: per depth, how often the head's
+    top-1 equals that greedy token on held-out text (``top1_agreement_by_depth``: a chain's ``d``-th node
+    accepted given the tokens before it).
 
 Decision: trained from scratch on real text (``benchmarks/pair_data.py``: ShareGPT chats in the
 chat template, Python sources, GSM8K), not distilled from SmolLM2-135M-Instruct. The teacher is a
@@ -225,9 +226,15 @@ def _target_features(target, x):
     return feats["h"], lm, greedy
 
 
-def _head_logits(head, lm, h, greedy):
+def _head_logits(head, lm, h, x):
     """Per depth d = 1..D, the head's logits ``[b, S - d, V]`` for the d-th token after the next one at every
-    position (teacher-forced: an MTP head steps on the target's greedy tokens, what verification accepts)."""
+    position t (its label: the target's greedy token at t + d, ``greedy[:, d:]``). Teacher-forced on the text:
+    an MTP head's step d at t reads token ``x[t + d]``, the token that label's context holds there. Until
+    2026-12-05 it read the target's greedy token ``greedy[t + d - 1]`` instead, which the label's context does not
+    hold wherever the target's guess differs from the text (mostly, for a small target): contradicting targets,
+    the likely cause of the MTP head's flat 0.18-0.20 agreement at every depth (198194b, under the block head's
+    0.27 at depth 1). At inference the fed token (the root, then each depth's pick) is the one the target
+    verifies the next depth after, as here."""
     from vllm_bole.spec_decode.block_drafter import BlockHead
 
     b, S, H = h.shape
@@ -236,8 +243,8 @@ def _head_logits(head, lm, h, greedy):
         z = head(h.reshape(-1, H)).view(b, S, head.depth, H)
         return [lm_fn(z[:, : S - d, d - 1]) for d in range(1, head.depth + 1)]
     out, s = [], h
-    for d in range(1, head.depth + 1):  # step d: states at positions t (< S - d + 1), previous token greedy[t + d - 1]
-        s = head(s[:, : S - d + 1].reshape(-1, H), greedy[:, d - 1 : S].reshape(-1)).view(b, S - d + 1, H)
+    for d in range(1, head.depth + 1):  # step d: states at positions t (< S - d + 1), fed token x[t + d]
+        s = head(s[:, : S - d + 1].reshape(-1, H), x[:, d : S + 1].reshape(-1)).view(b, S - d + 1, H)
         out.append(lm_fn(s[:, : S - d]))
     return out
 
@@ -265,7 +272,7 @@ def train_head(kind: str, args) -> dict:
 
     def loss_of(x):
         h, lm, greedy = _target_features(target, x)
-        logits = _head_logits(head, lm, h.float(), greedy)
+        logits = _head_logits(head, lm, h.float(), x)
         return sum(torch.nn.functional.cross_entropy(l.flatten(0, 1).float(), greedy[:, d:].flatten())
                    for d, l in enumerate(logits, 1)) / len(logits)
 
@@ -338,7 +345,7 @@ def evaluate_heads(args, kinds, x) -> dict:
         for row in x.split(8):
             h, lm, greedy = _target_features(target, row)
             for i, head in enumerate(heads.values()):
-                for d, l in enumerate(_head_logits(head, lm, h, greedy), 1):
+                for d, l in enumerate(_head_logits(head, lm, h, row), 1):
                     hits[i, d - 1] += float((l.argmax(-1) == greedy[:, d:]).sum())
             count += torch.tensor([float(greedy[:, d:].numel()) for d in range(1, HEAD_DEPTH + 1)])
     return {kind: dict(top1_agreement_by_depth=[round(float(v), 4) for v in hits[i] / count.clamp(min=1)])

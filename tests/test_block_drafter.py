@@ -113,3 +113,36 @@ def test_checkpoint_errors_name_the_field(tmp_path):
         check_head_dir(str(tmp_path), "block", 32)
     with pytest.raises(ValueError, match="^model: .* holds a 'block' drafter, not 'mtp'"):
         check_head_dir(str(tmp_path), "mtp")
+
+
+def test_mtp_training_steps_on_the_texts_tokens():
+    """``train_pair._head_logits``: the MTP head's depth-d logits at position t are its recurrence from h[t] over
+    the text's tokens x[t + 1 .. t + d] (what the label's context holds: the target's greedy token at t + d
+    given the text), position by position by hand; the block head's are its depth-d block on h[t]."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from train_pair import _head_logits
+
+    g = torch.Generator().manual_seed(0)
+    b, S, H, V, D = 2, 6, 8, 20, 3
+    mtp = MTPHead(H, D, V, token_dim=4)
+    for p in mtp.parameters():
+        torch.nn.init.normal_(p, generator=g)
+    lm = torch.nn.Linear(H, V, bias=False)
+    h, x = torch.randn(b, S, H, generator=g), torch.randint(0, V, (b, S + 1), generator=g)
+    with torch.no_grad():
+        got = _head_logits(mtp, lm, h, x)
+        for d in range(1, D + 1):
+            assert got[d - 1].shape == (b, S - d, V)
+            for t in range(S - d):
+                s = h[:, t]
+                for k in range(1, d + 1):
+                    s = mtp(s, x[:, t + k])
+                torch.testing.assert_close(got[d - 1][:, t], lm(s))
+        block = BlockHead(H, D)
+        torch.nn.init.normal_(block.weight, generator=g)
+        got = _head_logits(block, lm, h, x)
+        for d in range(1, D + 1):
+            torch.testing.assert_close(got[d - 1], lm(block(h.reshape(-1, H)).view(b, S, D, H)[:, : S - d, d - 1]))
