@@ -3,10 +3,10 @@
 One program per (request, value head, V split ``vs``): it owns the V tiles vs, vs + NV, vs + 2 NV, ...
 (BV columns each) of the request's committed state S [K, V] = ``state[slot, h]`` (FLA's [K, V] and
 vLLM's [V, K] slot layouts both work through strides; loaded as fp32 whatever its dtype, stored
-in its own dtype). NV = V / BV gives each program one tile (most programs); NV = 1 gives each
-(request, head) one program that loops over V. Everything that does not depend on V (the
-ancestor-masked decays, the UT inverse, the query-key products) is computed once per program and
-applied to each of its tiles.
+in its own dtype). NV = V / BV gives each program one tile; NV = 1 gives each (request, head) one
+program that loops over V (``v_splits`` picks; blocked trees take one tile a program). Everything that
+does not depend on V (the ancestor-masked decays, the UT inverse, the query-key products) is computed
+once per program and applied to each of its tiles.
 
 1. commit (``HAS_PENDING``): if the request's row holds a pending accepted path of m > 0 tokens
    (their own inputs k, v, g, beta from the previous step), S <- S after those m tokens, in
@@ -33,15 +33,15 @@ applied to each of its tiles.
    from the earlier blocks (their d in a global fp32 scratch [T, Hv, V], their G in [NV, T, Hv],
    written and read back by the same program after a barrier), then d_i = (I + A_ii)^{-1}
    (U_i - sum_{j<i} A_ij d_j). Diagonal blocks are inverted as the Neumann series of the nilpotent
-   A_ii ((I - A)(I + A^2)(I + A^4)..., ``tiles.unit_lower_inverse``: ceil(log2(depth + 1)) - 1
-   squarings, once per program). G of a block is summed from the ancestor mask over the blocks at
+   A_ii ((I - A)(I + A^2)(I + A^4)..., ``tiles.unit_lower_inverse``: about log2(depth) squarings,
+   once per program). G of a block is summed from the ancestor mask over the blocks at
    or before it.
 
 Precision: fp32 inputs -> fp32 operands (tf32 tensor-core products on the GPU, exact fp32 in the
 interpreter); 16-bit inputs -> bf16 operands with fp32 accumulation (``LOWP``; FLA's chunk
 kernels do the same, the state tile included), emulated exactly under the interpreter
 (``tiles.mm``). The commit always uses fp32 operands. Shared memory on the H200 (227 KB): the
-launcher keeps every operand tile at most [64, 128] fp32 (BR = CP = 32 when K = 256).
+launcher keeps every operand tile at most [64, 128] fp32 (BR = 32 when K = 256).
 API and dispatch: ``vllm_bole.gdn``; plain-torch twin: ``vllm_bole/gdn/naive.py``; float64
 reference: ``vllm_bole/gdn/reference.py``; the accepted-path stash: ``csrc_triton.pending_stash``.
 """

@@ -24,7 +24,10 @@
 #       steps with a request in its prompt never replay a FULL decode graph (vLLM's V1 staged stale state indices
 #       for such a row): the suspected cause; `plain_full_steps` / `plain_eager_steps` in the stats)
 #  14   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
-#  then, as time allows: gdnbench (~5 min: `gdn_tree.json` at the issue's shapes, against the floor); kernelspeed
+#  then, as time allows: the heads (issue 16): TRAIN_MODELS="block mtp" train (~120 s on the unpacked pair; the MTP
+#  head's teacher forcing fixed since 2026-12-05, `mtp_feed_ab.json`; at home its train_pair.json becomes
+#  train_pair_heads.json, the pair's own stays) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees;
+#  gdnbench (~5 min: `gdn_tree.json` at the issue's shapes, against the floor); kernelspeed
 #  (after install: `tree_attention.json` now also times the prefix from vLLM's FlashAttention with our kernel on the
 #  tree's keys, `ours_flash_prefix_ms` / `_x_floor`: issue 14 item 4, 2.1x the floor with our kernel alone); `python3 benchmarks/device/check_sampled_verify.py` (bare torch, ~15 s: the sampling
 #  kernel's time against the level walk); PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile (at c = 1 the
