@@ -3,6 +3,7 @@
 # sees an older commit; the history and its reasons follow below). Since the 25th session the bundle is FIVE parts
 # of 43 MB (`cat p00 p01 p02 p03 | split -n 5 -d -a 2 - .vllm-gpu/p`: p03 + install.sh + the 13.8 MB working tree
 # no longer fit 64 MiB) and the trained pair of 992f2cd is home (.pair/weights, 8 pieces: no training):
+#   0   gdnkernel (no carry, bare torch; it starts the machine): see 12 below; ~5 min
 #   1-4 carry .vllm-gpu/p00 (then p01, p02, p03)                                        parts
 #   5   carry .pair/weights/pair.sha256 .pair/weights/pair.txz.00 .pair/weights/pair.txz.01 .pair/weights/pair.txz.02  parts
 #   6   carry .pair/weights/pair.txz.03 .pair/weights/pair.txz.04 .pair/weights/pair.txz.05                     parts
@@ -15,7 +16,7 @@
 #       c945ef0: read `controller.json` and the rows' `controller_model`, whose `draft_samples` [requests, searched,
 #       chosen, ms] must now show the search budget, not requests x 32; issue 15: temperature 1 with the loop-free
 #       verification and the sampling kernel: the rows' `verify_commit_ms` at T = 1 against greedy's)
-#  12   gdnkernel   (issue 14, before the Qwen3-Next mixed run that uses it: the GDN step is ONE launch since
+#  12   (run 0) gdnkernel   (issue 14, before the Qwen3-Next mixed run that uses it: the GDN step is ONE launch since
 #       2026-12-05, commit and verification together with the V loop inside; CPU-tested and compiled for sm_90 only.
 #       `gdn_probe_configs.json` says which launch config is fastest (the default is a guess: BV = 32, V splits by
 #       `v_splits`) and whether one launch beats two; `kernel_envelope.json` that it is exact on the GPU)
