@@ -35,8 +35,8 @@
 #  controller's tree steps took 0.7 ms more than budget 16's at f428370, HumanEval: drafting +0.3, engine +0.4,
 #  where `choose` itself costs ~0.1 ms on the CPU); online; treegraphs. In the matrix rows also read
 #  `plain_full_steps` / `plain_piecewise_steps` (which of vLLM's graphs our steps without trees replay).
-# 2026-12-05 (27th session, 1be1c66): lending paused, then seven tries of the bare `gdnkernel` run got no machine
-# (~22:07-22:48, ~500 s of budget on refusals): no stay; the plan above gained gdnkernel (first: it needs no bundle).
+# 2026-12-05 (27th session, 1be1c66): lending paused, then nine tries of the bare `gdnkernel` run got no machine
+# (22:07-22:53, ~600 s of budget on refusals): no stay; the plan above gained gdnkernel (first: it needs no bundle).
 # 2026-12-05 (26th session, f428370): an H100 at the first call; parts x8 (~25 s), `install unpack` (96 s), the
 # matrix as in 11 (457 s), MIXED="falcon_h1 qwen3_next" `mixed cachesave` (320 s: FalconH1 passed, Qwen3-Next parted
 # at the one-token prompt's first token), `targets` with BUDGETS=8,32 (153 s), `newarchs` (301 s: Zamba2's
