@@ -22,7 +22,7 @@ def tree_attention_torch(
     """Plain-torch twin of ``tree_attention`` (the CPU path): one dense masked attention per
     request over the keys gathered from the paged cache, computed in fp32 (fp64 for fp64)."""
     T, Hq, D = q.shape
-    _, bs, Hkv, _ = key_cache.shape
+    Hkv = key_cache.shape[2]
     G = Hq // Hkv
     if scale is None:
         scale = D**-0.5
@@ -42,21 +42,38 @@ def tree_attention_torch(
             continue
         nk = NK[b] if NK is not None else n
         L = P[b] + nk
-        pos = torch.arange(L, device=dev)
-        blk = block_table[b].to(dev).long()[pos // bs]
-        off = pos % bs
-        k = key_cache[blk, off].to(cdt)  # [L, Hkv, D]
-        v = value_cache[blk, off].to(cdt)
+        k, v = _request_kv(key_cache, value_cache, block_table, b, L, cdt, dev)
         words = anc[s:e, : (nk + 31) // 32]
         bits = ((words[:, :, None] >> shifts) & 1).reshape(n, -1)[:, :nk].bool()
         mask = torch.cat([torch.ones(n, P[b], dtype=torch.bool, device=dev), bits], dim=1)  # [n, L]
-        qq = q[s:e].to(cdt).view(n, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, n * G, D)
-        scores = torch.bmm(qq, k.permute(1, 2, 0)).view(Hkv, n, G, L) * scale
+        scores = _scores(q[s:e].to(cdt), k, scale).view(Hkv, n, G, L)
         scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1).view(Hkv, n * G, L)
-        o = torch.bmm(p, v.transpose(0, 1)).view(Hkv, n, G, D).permute(1, 0, 2, 3)
-        out[s:e] = o.reshape(n, Hq, D).to(out.dtype)
+        out[s:e] = _ungroup(torch.bmm(p, v.transpose(0, 1)), n).to(out.dtype)
     return out
+
+
+def _request_kv(key_cache, value_cache, block_table, b: int, L: int, dtype, device):
+    """Positions ``0 .. L - 1`` of request ``b``'s keys and values from the paged cache: [L, Hkv, D] each."""
+    bs = key_cache.shape[1]
+    pos = torch.arange(L, device=device)
+    blk = block_table[b].to(device).long()[pos // bs]
+    return key_cache[blk, pos % bs].to(dtype), value_cache[blk, pos % bs].to(dtype)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled scores of queries ``q`` [n, Hq, D] against keys ``k`` [L, Hkv, D], by kv group: [Hkv, n * G, L] (row
+    ``i * G + g``: node ``i``, query head ``kv_head * G + g``)."""
+    n, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qq = q.view(n, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(Hkv, -1, D)
+    return torch.bmm(qq, k.permute(1, 2, 0)) * scale
+
+
+def _ungroup(o: torch.Tensor, n: int) -> torch.Tensor:
+    """[Hkv, n * G, D] rows in :func:`_scores`' order -> [n, Hq, D]."""
+    Hkv, _, D = o.shape
+    return o.view(Hkv, n, -1, D).permute(1, 0, 2, 3).reshape(n, -1, D)
 
 
 def prefix_attention_torch(q, key_cache, value_cache, block_table, prefix_len, cu_nodes, *, scale, out, **_) -> torch.Tensor:
@@ -65,8 +82,6 @@ def prefix_attention_torch(q, key_cache, value_cache, block_table, prefix_len, c
     without prefix) and returns the log-sum-exp of the scaled scores [Hq, T] fp32 (+inf without prefix, as
     FlashAttention's). The CPU stand-in of the adapter's FlashAttention call (tests, the torch path)."""
     T, Hq, D = q.shape
-    _, bs, Hkv, _ = key_cache.shape
-    G = Hq // Hkv
     lse = torch.full((Hq, T), float("inf"), dtype=torch.float32, device=q.device)
     cu, P = cu_nodes.tolist(), prefix_len.tolist()
     for b in range(len(cu) - 1):
@@ -77,13 +92,8 @@ def prefix_attention_torch(q, key_cache, value_cache, block_table, prefix_len, c
         if L == 0:
             out[s:e] = 0
             continue
-        pos = torch.arange(L, device=q.device)
-        blk = block_table[b].long()[pos // bs]
-        k = key_cache[blk, pos % bs].float()  # [L, Hkv, D]
-        v = value_cache[blk, pos % bs].float()
-        qq = q[s:e].float().view(n, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, n * G, D)
-        scores = torch.bmm(qq, k.permute(1, 2, 0)) * scale  # [Hkv, n G, L]
-        o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))
-        out[s:e] = o.view(Hkv, n, G, D).permute(1, 0, 2, 3).reshape(n, Hq, D).to(out.dtype)
-        lse[:, s:e] = torch.logsumexp(scores, dim=-1).view(Hkv, n, G).permute(0, 2, 1).reshape(Hq, n)
+        k, v = _request_kv(key_cache, value_cache, block_table, b, L, torch.float32, q.device)
+        scores = _scores(q[s:e].float(), k, scale)
+        out[s:e] = _ungroup(torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1)), n).to(out.dtype)
+        lse[:, s:e] = _ungroup(torch.logsumexp(scores, dim=-1)[..., None], n)[..., 0].T
     return lse
