@@ -32,13 +32,9 @@ def features(target, x):
 
 
 def head_logits(head, lm, h, x, greedy, feed_greedy: bool):
-    b, S, H = h.shape
-    out, s = [], h
-    for d in range(1, D + 1):
-        tok = greedy[:, d - 1 : S] if feed_greedy else x[:, d : S + 1]
-        s = head(s[:, : S - d + 1].reshape(-1, H), tok.reshape(-1)).view(b, S - d + 1, H)
-        out.append(lm(s[:, : S - d]))
-    return out
+    """``train_pair._head_logits`` as shipped (fed the text), or fed the greedy tokens as before 2026-12-05: step d
+    reads ``fed[:, d : S + 1]``, so the old feed is the greedy tokens shifted one column right."""
+    return tp._head_logits(head, lm, h, torch.cat([x[:, :1], greedy], 1) if feed_greedy else x)
 
 
 def chain_acceptance(target, head, lm, h, x) -> tuple[list, int]:
