@@ -72,9 +72,11 @@ for launches, bv, nv, nw in configs:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
-    ap.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 128])  # 128: two blocks of 64
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 1, 128, 8])  # the B = 32 first
+    ap.add_argument("--nodes", type=int, nargs="+", default=[64, 16, 128])  # 128: two blocks of 64
     args = ap.parse_args()
+    from benchmarks.harness import write_results
+
     rows = []
     for B in args.batches:
         for N in args.nodes:
@@ -85,10 +87,9 @@ def main():
                 got = [dict(B=B, N=N, error=err)]
             for row in got:
                 print(row, flush=True)
-            rows += got
-    from benchmarks.harness import write_results
-
-    print(write_results("gdn_probe_configs.json", rows, extra=dict(shapes=dict(Hk=16, Hv=32, K=128, V=128, pending=5))))
+            rows += got  # written after every (B, N): an outer timeout keeps the rows measured so far
+            path = write_results("gdn_probe_configs.json", rows, extra=dict(shapes=dict(Hk=16, Hv=32, K=128, V=128, pending=5)))
+    print(path)
 
 
 if __name__ == "__main__":
