@@ -268,15 +268,21 @@ def main():
                 print(f"{kernel:9s} {dtype:20s} {name:12s} N={row['N']:3d} depth={row['depth']:2d} {label:32s} "
                       f"out {eo if eo is None else f'{eo:.1e}'} state {es if es is None else f'{es:.1e}'} "
                       f"{'ok' if row['ok'] else 'FAIL ' + row.get('error', '')}", flush=True)
-    passed = sum(r["ok"] for r in rows)
-    wall = time.time() - t0
-    extra = dict(passed=passed, failed=len(rows) - passed, tolerances=TOL, cpu_smoke=args.cpu_smoke, kernels=args.kernels,
-                 wall_s=wall)
+        if not args.cpu_smoke:  # rewritten after every case: an outer timeout keeps the rows checked so far
+            path = write(rows, t0, args, complete=False)
     if args.cpu_smoke and not os.environ.get("OUT"):
-        print(f"cpu smoke: {passed}/{len(rows)} ok in {wall:.0f} s (no file written)")
+        print(f"cpu smoke: {sum(r['ok'] for r in rows)}/{len(rows)} ok in {time.time() - t0:.0f} s (no file written)")
         return
-    path = write_results("kernel_envelope.json", rows, extra)
-    print(f"{passed}/{len(rows)} ok in {wall:.0f} s -> {path}")
+    path = write(rows, t0, args, complete=True)
+    print(f"{sum(r['ok'] for r in rows)}/{len(rows)} ok in {time.time() - t0:.0f} s -> {path}")
+
+
+def write(rows: list[dict], t0: float, args, complete: bool) -> str:
+    """``kernel_envelope.json``: the rows, their pass count, and ``complete`` (false: cut before the last case)."""
+    passed = sum(r["ok"] for r in rows)
+    return write_results("kernel_envelope.json", rows, dict(
+        passed=passed, failed=len(rows) - passed, complete=complete, tolerances=TOL, cpu_smoke=args.cpu_smoke,
+        kernels=args.kernels, wall_s=time.time() - t0))
 
 
 if __name__ == "__main__":
