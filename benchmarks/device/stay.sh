@@ -546,7 +546,8 @@ stage_kernelspeed() {  # issue 14: the SSD and tree-attention kernels against th
 stage_gdnkernel() {  # issue 14: the one-launch GDN step (commit + verification, the V loop inside, 2026-12-05): its
     # launch configs against the two-launch layout at B = 1-128, N = 16-128 (gdn_probe_configs.json), then every tree
     # kernel over the envelope (kernel_envelope.json); bare torch, no vLLM, ~4-6 min with the compilations
-    timeout 290 python3 benchmarks/device/probe_gdn_configs.py > "$OUT/gdn_probe_configs.log" 2>&1
+    timeout 290 python3 benchmarks/device/probe_gdn_configs.py ${GDN_PROBE_BATCHES:+--batches $GDN_PROBE_BATCHES} \
+        > "$OUT/gdn_probe_configs.log" 2>&1
     timeout 280 python3 benchmarks/device/check_kernels_envelope.py > "$OUT/kernel_envelope.log" 2>&1
     grep -v "^{" "$OUT/gdn_probe_configs.log" | tail -3 | cut -c1-200; tail -n 3 "$OUT/kernel_envelope.log" | cut -c1-200
 }
