@@ -8,8 +8,9 @@ FLA's recurrent kernel serves the serial baseline):
 Per step and request, every method must produce all tree outputs and leave the state of the
 accepted path in the request's slot:
   ours      stash of the previous step's accepted path (its own inputs, <= depth + 1 tokens) +
-            ``gdn_tree_step``: one launch commits it in place and verifies the new tree (two launches
-            before 2026-12-05) (``ours_verify_only_ms``: verification alone);
+            ``gdn_tree_step``: commits it in place and verifies the new tree (one launch for trees of one
+            block, two for blocked trees: ``csrc_triton.gdn_tree.gdn_step``) (``ours_verify_only_ms``:
+            verification alone);
   serial    FLA ``fused_recurrent_gated_delta_rule`` along every root-to-leaf path (one varlen
             launch, initial states gathered per path) + copy of the accepted path's final state;
   per_node  one fused Triton kernel walking the nodes in topological order, each node's full
@@ -83,8 +84,7 @@ def make_case(B, N, cfg, seed, dtype=torch.bfloat16, dev="cuda"):
 
 
 def run_ours(c, state, pending, verify_only=False):
-    """One decode step of ours: stash the previous accepted path, then commit it and verify the
-    tree (one launch)."""
+    """One decode step of ours: stash the previous accepted path, then commit it and verify the tree."""
     tree = c["tree_dev"]
     if verify_only:
         return lambda: gdn_tree_step(c["q"], c["k"], c["v"], c["g"], c["beta"], tree, state, c["slots_dev"], None)
@@ -99,8 +99,10 @@ def run_ours(c, state, pending, verify_only=False):
 
 def serial_setup(c, state):
     """Root-to-leaf paths as FLA varlen sequences: FLA's own kernel, or where FLA is not installed vLLM's copy of
-    it (``vllm.third_party.flash_linear_attention``: states [V, K], final states in place; the paths' initial
-    states gathered transposed, the same bytes as FLA's gather)."""
+    it (``vllm.third_party.flash_linear_attention``: states [V, K] in a buffer addressed by
+    ``ssm_state_indices`` [paths, max length], read from and written back to the column of each path's last
+    token (``num_accepted_tokens`` = its length, 0 = skip elsewhere): one state read and one write per path, as
+    FLA's; the paths' initial states gathered transposed into that buffer, the same bytes as FLA's gather)."""
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
         vllm_copy = False
@@ -116,14 +118,24 @@ def serial_setup(c, state):
     # that node's own state, which serial decoding would have to stop at)
     acc_paths = torch.tensor(paths["acc_path"], device="cuda")
     slots = c["slots_dev"].long()
+    if vllm_copy:  # row 0 of the buffer is vLLM's null slot
+        lens = cu_t.diff()
+        n = lens.numel()
+        own = torch.arange(1, n + 1, device="cuda", dtype=torch.int32)
+        state_rows = torch.zeros(n, int(lens.max()), device="cuda", dtype=torch.int32)
+        state_rows[torch.arange(n, device="cuda"), lens - 1] = own
+        num_accepted = lens.to(torch.int32)
+        Hv, K, V = state.shape[1:]
+        h0 = torch.empty(n + 1, Hv, V, K, device="cuda", dtype=state.dtype)
 
     def run():
         inputs = dict(q=c["q"][idx][None], k=c["k"][idx][None], v=c["v"][idx][None], g=c["g"][idx][None],
                       beta=c["beta"][idx][None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
         if vllm_copy:
-            h0 = state[req_t].transpose(-1, -2).contiguous()
-            o, ht = fused_recurrent_gated_delta_rule(**inputs, initial_state=h0, inplace_final_state=True)
-            state[slots] = ht[acc_paths].transpose(-1, -2)
+            h0[1:] = state[req_t].transpose(-1, -2)
+            o, _ = fused_recurrent_gated_delta_rule(**inputs, initial_state=h0, inplace_final_state=True,
+                                                    ssm_state_indices=state_rows, num_accepted_tokens=num_accepted)
+            state[slots] = h0[1 + acc_paths].transpose(-1, -2)
         else:
             o, ht = fused_recurrent_gated_delta_rule(**inputs, initial_state=state[req_t], output_final_state=True)
             state[slots] = ht[acc_paths]

@@ -4,7 +4,7 @@ One program per (request, value head, V split ``vs``): it owns the V tiles vs, v
 (BV columns each) of the request's committed state S [K, V] = ``state[slot, h]`` (FLA's [K, V] and
 vLLM's [V, K] slot layouts both work through strides; loaded as fp32 whatever its dtype, stored
 in its own dtype). NV = V / BV gives each program one tile; NV = 1 gives each (request, head) one
-program that loops over V (``v_splits`` picks; blocked trees take one tile a program). Everything that
+program that loops over V (``gdn_step`` picks BV and NV from the launch probe). Everything that
 does not depend on V (the ancestor-masked decays, the UT inverse, the query-key products) is computed
 once per program and applied to each of its tiles.
 
@@ -28,7 +28,7 @@ once per program and applied to each of its tiles.
    i.e. O = scale (diag(e^G) Q S + W U) with W = (E o Q K^T)(I + A)^{-1}: W is V-independent, so
    a tile costs three products (K S, Q S, W U). The nodes are taken in row blocks of BR
    (topological order, so A is block lower triangular). Trees of at most BR nodes (BR = 64 for
-   K <= 128) are one block: everything stays on chip. Larger trees (up to 256 nodes) run a blocked
+   K <= 128 in fp32, 32 with bf16 operands) are one block: everything stays on chip. Larger trees (up to 256 nodes) run a blocked
    forward substitution: block i gathers sum_{j<i} A_ij d_j and sum_{j<i} (e^{G_i - G_j} q_i.k_j) d_j
    from the earlier blocks (their d in a global fp32 scratch [T, Hv, V], their G in [NV, T, Hv],
    written and read back by the same program after a barrier), then d_i = (I + A_ii)^{-1}
@@ -52,8 +52,9 @@ import triton.language as tl
 
 from csrc_triton.tiles import INTERPRET, anc_tile, mm, program_head, squarings, unit_lower_inverse
 
-MAX_BLOCK_R = 64  # node rows per block (trees of up to this many nodes run as one block)
-BLOCK_V = 32  # state columns per tile (the largest power of two up to it that divides V)
+MAX_BLOCK_R = 64  # node rows per block in fp32 (trees of up to this many nodes run as one block)
+MAX_BLOCK_R_LOWP = 32  # ... and with bf16 operands: a 64-row bf16 block faults on the GPU (see gdn_step)
+BLOCK_V = (32, 64)  # state columns per tile: 64 where one program per (request, head) fills the GPU, else 32
 
 
 @triton.jit
@@ -227,38 +228,55 @@ def v_splits(programs: int, tiles: int, device) -> int:
     return nv
 
 
+def launch_config(B: int, Hv: int, V: int, device, block_v=None, v_split=None) -> tuple[int, int]:
+    """(BV, NV): BV = 64 columns where one program per (request, head) already puts two on every SM, else
+    32 columns split by :func:`v_splits` (or ``block_v`` / ``v_split`` as given)."""
+    if block_v is None:
+        wide = _pow2_divisor(V, BLOCK_V[1])
+        block_v = wide if v_splits(B * Hv, V // wide, device) == 1 else BLOCK_V[0]
+    BV = _pow2_divisor(V, block_v)
+    NV = v_split or v_splits(B * Hv, V // BV, device)
+    if (V // BV) % NV:
+        raise ValueError(f"v_split={NV} must divide the {V // BV} V tiles of BV={BV} columns")
+    return BV, NV
+
+
 def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pending=None, pending_idx=None, out=None,
-             *, block_r=None, block_v=None, v_split=None, num_warps=None, lowp=None, inv_lowp=None):
+             *, block_r=None, block_v=None, v_split=None, num_warps=None, lowp=None, inv_lowp=None, launches=None):
     """Launch ``gdn_step_kernel``; arguments as ``vllm_bole.gdn.gdn_tree_step``. ``tree=None``: the commit alone;
     ``pending=None``: the verification alone. Returns o [T, Hv, V] in v's dtype (``out`` if given: contiguous;
     None without a tree).
 
-    Defaults: trees of up to 64 nodes (32 when K = 256) are one block of BR = that size rounded
-    up to a power of two (>= 16); larger trees run blocks of BR = 32. Pending paths in chunks of 32
-    tokens (16 for paths of <= 16). ``v_split`` (NV, a divisor of V / BV): programs per (request,
-    head), default :func:`v_splits` (blocked trees: one per tile). BV = ``BLOCK_V``: compiled for sm_90 (Qwen3-Next shapes, bf16,
-    a 64-node block, 4 warps, chunks of 16; ``benchmarks/device/probe_kernel_smem.py``) the step spills
-    384 bytes a thread at BV = 32 with one program per (request, head) and 2388 at BV = 64, where the
-    verification kernel before it (one program per 64-column tile) spilled 928; not yet timed
-    (``benchmarks/device/probe_gdn_configs.py``). ``lowp`` (bf16 operands) defaults to 16-bit inputs,
-    ``inv_lowp`` (bf16 inverse) to ``lowp``. Warps: 4 for one block, 8 for the blocked form (fewer
-    spills, probe_kernel_smem.py).
+    Defaults, from the launch probe on an H100 (``gdn_probe_configs.json``, fbec640, Qwen3-Next-80B shapes,
+    bf16, a 5-token pending path): trees of up to 64 nodes in fp32 (32 with bf16 operands, or K = 256) are one
+    block of BR = that size rounded up to a power of two (>= 16); larger trees run blocks of BR = 32. A
+    64-row block with bf16 operands gave wrong outputs then an illegal memory access on the H100 (every
+    launch config; ``kernel_envelope.json`` at fbec640: the only failures), where 32-row blocks and fp32
+    64-row blocks are exact: such trees take two blocks of 32. Tiles and splits: :func:`launch_config`
+    (B = 32, 16 nodes: BV 64 unsplit 0.110 ms against 0.126 for BV 32; B = 1: BV 32 in four splits 0.012
+    ms against 0.017 unsplit). One launch for one-block trees (0.110 against 0.126 ms for commit and
+    verification apart at B = 32), two for blocked trees (``launches``; 0.446 against 0.540 ms at B =
+    32, 128 nodes; 0.042 against 0.047 at B = 1). 4 warps (8 were slower in all but one probed config).
+    Pending paths in chunks of 32 tokens (16 for paths of <= 16). ``lowp`` (bf16 operands) defaults to
+    16-bit inputs, ``inv_lowp`` (bf16 inverse) to ``lowp``.
     """
     import torch
 
     Hv, K, V = state.shape[1:]
     B = state_idx.numel()
-    BV = _pow2_divisor(V, block_v or BLOCK_V)
+    BV, NV = launch_config(B, Hv, V, state.device, block_v, v_split)
+    if tree is not None and lowp is None:
+        lowp = v.element_size() == 2
     BR, multi, MW, T, steps, dscr = 16, False, 1, 0, 0, state
     if tree is not None:
         BT = max(16, triton.next_power_of_2(tree.max_nodes))
-        one_block = MAX_BLOCK_R if K <= 128 else 32
+        one_block = MAX_BLOCK_R_LOWP if lowp or K > 128 else MAX_BLOCK_R
         BR = min(BT, block_r) if block_r else (BT if BT <= one_block else 32)
         multi = BT > BR
-    # blocked trees: a program per tile (the earlier blocks' products are formed per tile whatever the split)
-    NV = v_split or (V // BV if multi else v_splits(B * Hv, V // BV, state.device))
-    if (V // BV) % NV:
-        raise ValueError(f"v_split={NV} must divide the {V // BV} V tiles of BV={BV} columns")
+    if tree is not None and pending is not None and (launches or (2 if multi else 1)) == 2:
+        gdn_step(None, None, None, None, None, None, state, state_idx, scale, use_qk_l2norm, pending, pending_idx,
+                 block_v=BV, v_split=NV, num_warps=num_warps)
+        pending = None
     if tree is not None:
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))  # dense rows assumed (no copy if they are)
         T = q.shape[0]
@@ -270,8 +288,6 @@ def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pen
         gscr = torch.empty(NV, T, Hv, dtype=torch.float32, device=v.device) if multi else dscr
         tree_args = (q, k, v, g, beta, out, dscr, gscr, tree.cu_nodes, tree.anc_mask)
         steps, MW, Hk = squarings(min(BR, tree.max_depth + 1)), tree.anc_mask.shape[1], k.shape[1]
-        if lowp is None:
-            lowp = v.element_size() == 2
     else:
         tree_args = (state,) * 8 + (state_idx, state_idx)
         Hk = pending.k.shape[2]
@@ -290,6 +306,6 @@ def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pen
         Hk=Hk, Hv=Hv, K=K, V=V, BR=BR, BV=BV, NV=NV, MW=MW, CP=CP, STEPS=squarings(min(CP, max(P, 1))),
         MULTI=multi, HAS_TREE=tree is not None, HAS_PENDING=pending is not None,
         USE_L2NORM=use_qk_l2norm, LOWP=bool(lowp), EMUL=INTERPRET, INV_LOWP=bool(inv_lowp),
-        num_warps=num_warps or (8 if multi else 4), num_stages=1,
+        num_warps=num_warps or 4, num_stages=1,
     )
     return out

@@ -122,18 +122,21 @@ def test_gdn_bf16_state(kernels):
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_gdn_bf16_inputs_and_state(kernels):
-    """bf16 inputs (bf16 operands, emulated exactly in the interpreter) with a bf16 state, blocked tree."""
-    e_out, e_state = _gdn_case(_tree("N129"), kernels, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=6)
+@pytest.mark.parametrize("name", ["N64", "N129"])
+def test_gdn_bf16_inputs_and_state(kernels, name):
+    """bf16 inputs (bf16 operands, emulated exactly in the interpreter) with a bf16 state, blocked trees
+    (64 nodes: two blocks of 32 with bf16 operands, the 64-row block faulted on the H100)."""
+    e_out, e_state = _gdn_case(_tree(name), kernels, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=6)
     assert e_out < 2e-2 and e_state < 1e-2
 
 
-@pytest.mark.parametrize("v_split", [1, 3])
-def test_gdn_one_launch_commits_then_verifies(v_split):
-    """The Triton step with a pending path AND a tree (one launch): the ragged batch's deepest paths (up to 41
-    tokens: two commit chunks) committed, then a blocked tree verified from the committed states, V = 96 in
-    three tiles of 32 columns, one program per tile (v_split 3) or per (request, head) (v_split 1); against
-    the oracle, the unused slot untouched. A v_split that does not divide the tiles is refused."""
+@pytest.mark.parametrize("v_split,launches", [(1, 1), (3, 1), (1, 2)])
+def test_gdn_step_commits_then_verifies(v_split, launches):
+    """The Triton step with a pending path AND a tree, in one launch or two (the default for blocked trees):
+    the ragged batch's deepest paths (up to 41 tokens: two commit chunks) committed, then a blocked tree
+    verified from the committed states, V = 96 in three tiles of 32 columns, one program per tile (v_split
+    3) or per (request, head) (v_split 1); against the oracle, the unused slot untouched. A v_split that
+    does not divide the tiles is refused."""
     from csrc_triton.gdn_tree import gdn_step
 
     gen = torch.Generator().manual_seed(v_split)
@@ -151,7 +154,7 @@ def test_gdn_one_launch_commits_then_verifies(v_split):
     pending, rows = gdn.PendingPath.empty(B + 1, first.max_depth + 1, 1, Hv, K, V, dtype=torch.float32), _pending_rows(B, gen)
     gdn.stash_accepted_path(pending, rows, first, acc, *x1[1:], kernels="torch")
     out = torch.full((second.num_nodes, Hv, V), float("nan"))
-    gdn_step(*x2, second, state, slots, K**-0.5, True, pending, rows, out, v_split=v_split)
+    gdn_step(*x2, second, state, slots, K**-0.5, True, pending, rows, out, v_split=v_split, launches=launches)
     assert torch.isfinite(out).all() and torch.isnan(state[unused]).all()
     assert rel_err(out, o_ref) < TOL and rel_err(state[slots.long()], states1[last]) < TOL
     with pytest.raises(ValueError, match="v_split=2"):

@@ -1,10 +1,10 @@
 """Device probe: launch configs of the GDN tree step (csrc_triton.gdn_tree.gdn_step) at Qwen3-Next-80B shapes
 (Hk 16, Hv 32, K = V = 128), bf16 inputs, fp32 state, a 5-token pending path per request, as the engine runs a
 step. Per (B, N): one launch (commit and verification together) against two (commit alone, then
-verification alone: the layout before 2026-12-05, which ran one program per 64-column tile), with V tiles of
-32 or 64 columns, V splits 1 (one program per request and head, V looped), the launcher's default and one
-program per tile, 4 or 8 warps (two launches: 4); the median time of each (CUDA graph), the launcher's default config, and
-the output's error against the float64 oracle. Each (B, N) runs in its own
+verification alone: the launcher's choice for blocked trees since fbec640's probe), with V tiles of
+32 or 64 columns, V splits 1 (one program per request and head, V looped), ``v_splits``' and one
+program per tile, 4 or 8 warps (two launches: 4); the median time of each (CUDA graph), the launcher's
+default config (``default``), and the output's error against the float64 oracle. Each (B, N) runs in its own
 process (an illegal access ends only its row). Writes ``gdn_probe_configs.json`` (``rows``: ``B, N, launches,
 block_v, v_split, warps, ms, err, default``) where ``harness.write_results`` puts results.
     python benchmarks/device/probe_gdn_configs.py [--batches 1 8 32 128] [--nodes 16 64 128]
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 CHILD = r"""
 import json, sys, torch, triton
 sys.path.insert(0, '.')
-from csrc_triton.gdn_tree import BLOCK_V, gdn_step, v_splits
+from csrc_triton.gdn_tree import gdn_step, launch_config, v_splits
 from vllm_bole.gdn import PendingPath
 from vllm_bole.testing.oracles import gdn_tree_reference, random_tree_batch
 B, N = int(sys.argv[1]), int(sys.argv[2])
@@ -42,20 +42,21 @@ def step(launches, **cfg):
     def run():
         pend.length.fill_(m)  # as the engine's stash before each step
         if launches == 1:
-            gdn_step(q, k, v, g, beta, tree, state, slots, K ** -0.5, True, pend, slots, out, **cfg)
+            gdn_step(q, k, v, g, beta, tree, state, slots, K ** -0.5, True, pend, slots, out, launches=1, **cfg)
         else:
             gdn_step(None, None, None, None, None, None, state, slots, K ** -0.5, True, pend, slots, **cfg)
             gdn_step(q, k, v, g, beta, tree, state, slots, K ** -0.5, True, None, None, out, **cfg)
     return run
 
-splits = lambda bv: V // bv if N > 64 else v_splits(B * Hv, V // bv, state.device)  # the launcher's default
+default_bv, default_nv = launch_config(B, Hv, V, state.device)
+default_launches = 2 if N > 32 else 1  # bf16 trees of more than 32 nodes are blocked: commit and verification apart
 configs = []  # (launches, block_v, v_split, warps): two launches at 4 warps only
 for bv in (32, 64):
-    for nv in sorted({1, splits(bv), V // bv}):
+    for nv in sorted({1, v_splits(B * Hv, V // bv, state.device), V // bv}):
         configs += [(1, bv, nv, 4), (1, bv, nv, 8), (2, bv, nv, 4)]
 for launches, bv, nv, nw in configs:
     row = dict(B=B, N=N, launches=launches, block_v=bv, v_split=nv, warps=nw,
-               default=launches == 1 and bv == BLOCK_V and nv == splits(bv) and nw == (8 if N > 64 else 4))
+               default=(launches, bv, nv, nw) == (default_launches, default_bv, default_nv, 4))
     cfg = dict(v_split=nv, num_warps=nw, block_v=bv)
     try:
         gdn_step(q, k, v, g, beta, tree, state.clone(), slots, K ** -0.5, True, None, None, out, **cfg)
