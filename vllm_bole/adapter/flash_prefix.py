@@ -9,14 +9,25 @@ compute floor. :func:`flash_prefix_attention` is that call in the shape of
 ``vllm_bole.attention.tree_attention``'s ``prefix_attention``; the Triton kernel then reads only the
 tree's keys and continues the softmax from FlashAttention's (output, lse).
 
-Decision: not used by the engine yet. ``benchmarks/bench_tree_attention.py`` times it beside the Triton
-kernel (``ours_flash_prefix_ms``) where vLLM is installed; the layer object takes it once that row shows
-it faster. Its CPU stand-in (``tree_attention.naive.prefix_attention_torch``) is tested against the whole
-kernel; this call itself runs on a GPU only.
+Measured (H100, fbec640, ``tree_attention.json``): B = 32, N = 64, prefix 8192: 0.494 ms against 0.834 for
+our kernel alone, 1.25x the compute floor (2.11x); B = 8: 1.45x (2.67x). Decision: the attention layer
+takes it with ``VLLM_BOLE_FLASH_PREFIX=1`` (:func:`enabled`), off by default until the vLLM matrix has run
+it inside the engine (identity and step time, under CUDA graphs and with the hybrids' block sizes); the
+benchmark's paged cache was its own, not a vLLM layer's. Its CPU stand-in
+(``tree_attention.naive.prefix_attention_torch``) is tested against the whole kernel; this call itself runs
+on a GPU only.
 """
 from __future__ import annotations
 
 import functools
+import os
+
+ENV = "VLLM_BOLE_FLASH_PREFIX"
+
+
+def enabled() -> bool:
+    """``VLLM_BOLE_FLASH_PREFIX=1`` and vLLM's FlashAttention can run here."""
+    return os.environ.get(ENV, "0") == "1" and available()
 
 
 @functools.lru_cache(maxsize=1)

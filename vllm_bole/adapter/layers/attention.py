@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bole.adapter import flash_prefix
 from vllm_bole.adapter.layers.cpu_kv_layout import CpuPagedView
 from vllm_bole.adapter.tree_step import ActiveStep, TreeStep
 from vllm_bole.attention.kv_compaction import compact_accepted_kv
@@ -77,6 +78,7 @@ class AttentionLayer:
         impl = self.module.impl
         orig = getattr(impl, "_vllm_bole_orig_forward", None) or impl.forward
         H, D, scale = impl.num_heads, impl.head_size, impl.scale
+        prefix = flash_prefix.flash_prefix_attention if flash_prefix.enabled() else None  # opt-in, see there
 
         def forward(layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
                     output_block_scale=None):
@@ -93,7 +95,8 @@ class AttentionLayer:
             direct = dst.dtype == q.dtype  # the kernel writes the layer's output rows in place
             o = tree_attention(q, kc, vc, step.block_tables[self.group], step.prefix_len, step.tree, scale=scale,
                                out=dst if direct else None, max_nodes=step.host_tree.max_nodes,
-                               max_kv_len=step.max_kv_len, kernels=step.kernels if triton_ok else "torch")
+                               max_kv_len=step.max_kv_len, kernels=step.kernels if triton_ok else "torch",
+                               prefix_attention=prefix if triton_ok else None)
             if not direct:
                 dst.copy_(o)
             return output
