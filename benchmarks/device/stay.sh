@@ -1,40 +1,33 @@
 #!/usr/bin/env bash
 # THE NEXT STAY, run by run (each within 30 s of the last; BOLE_COMMIT=<full sha of HEAD>: a run's own `git`
-# sees an older commit; the history and its reasons follow below). Since the 25th session the bundle is FIVE parts
-# of 43 MB (`cat p00 p01 p02 p03 | split -n 5 -d -a 2 - .vllm-gpu/p`: p03 + install.sh + the 13.8 MB working tree
-# no longer fit 64 MiB) and the trained pair of 992f2cd is home (.pair/weights, 8 pieces: no training):
-#   0   gdnkernel (no carry, bare torch; it starts the machine): see 12 below; ~5 min
+# sees an older commit; the history and its reasons follow below). The bundle is FIVE parts of 43 MB and the
+# trained pair of 992f2cd is home (.pair/weights, 8 pieces: no training):
+#   0   GDN_PROBE_BATCHES="32 1 128" gdnkernel (no carry, bare torch; it starts the machine; ~6 min): the GDN fix
+#       of 7d976ff (bf16 trees of 33-64 nodes as two 32-row blocks; the 64-row bf16 block faulted at fbec640):
+#       `kernel_envelope.json` must be 161/161, `gdn_probe_configs.json` times B = 32, N = 64 at last (its
+#       `default` rows are the launcher's choice since 7d976ff)
 #   1-4 carry .vllm-gpu/p00 (then p01, p02, p03)                                        parts
 #   5   carry .pair/weights/pair.sha256 .pair/weights/pair.txz.00 .pair/weights/pair.txz.01 .pair/weights/pair.txz.02  parts
 #   6   carry .pair/weights/pair.txz.03 .pair/weights/pair.txz.04 .pair/weights/pair.txz.05                     parts
 #   7   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                                   parts
-#   8   carry .pair/cache (three pieces since f428370, 36 MB: with .pair/data and the 15.6 MB tree over 64 MiB)  parts
+#   8   carry .pair/cache                                                                                    parts
 #   9   carry .pair/data                                                                                     parts
-#  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~95 s)
-#  11   PARALLEL=1 E2E_SECONDS=430 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model
-#       vllm_chain/draft_model" matrix      (issue 17: the controller with its drafting learnt at the search budget,
-#       c945ef0: read `controller.json` and the rows' `controller_model`, whose `draft_samples` [requests, searched,
-#       chosen, ms] must now show the search budget, not requests x 32; issue 15: temperature 1 with the loop-free
-#       verification and the sampling kernel: the rows' `verify_commit_ms` at T = 1 against greedy's)
-#  12   (run 0) gdnkernel   (issue 14, before the Qwen3-Next mixed run that uses it: the GDN step is ONE launch since
-#       2026-12-05, commit and verification together with the V loop inside; CPU-tested and compiled for sm_90 only.
-#       `gdn_probe_configs.json` says which launch config is fastest (the default is a guess: BV = 32, V splits by
-#       `v_splits`) and whether one launch beats two; `kernel_envelope.json` that it is exact on the GPU)
-#  13   MIXED="qwen3_next" mixed cachesave   (issue 13: the row's `one_first_token` {base, ours: [in the mix, alone]}
-#       says which engine departs at the one-token prompt; ~300 s with the carried caches. Since 9e97463 our plain
-#       steps with a request in its prompt never replay a FULL decode graph (vLLM's V1 staged stale state indices
-#       for such a row): the suspected cause; `plain_full_steps` / `plain_eager_steps` in the stats)
-#  14   PARALLEL=1 E2E_SECONDS=300 TREE_GRAPHS=1 BUDGETS=8,32 E2E_ONLY="ar/none bole_tree/draft_model" targets
-#  then, as time allows: the heads (issue 16): TRAIN_MODELS="block mtp" train (~120 s on the unpacked pair; the MTP
-#  head's teacher forcing fixed since 2026-12-05, `mtp_feed_ab.json`; at home its train_pair.json becomes
-#  train_pair_heads.json, the pair's own stays) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees;
-#  gdnbench (~5 min: `gdn_tree.json` at the issue's shapes, against the floor); kernelspeed
-#  (after install: `tree_attention.json` now also times the prefix from vLLM's FlashAttention with our kernel on the
-#  tree's keys, `ours_flash_prefix_ms` / `_x_floor`: issue 14 item 4, 2.1x the floor with our kernel alone); `python3 benchmarks/device/check_sampled_verify.py` (bare torch, ~15 s: the sampling
-#  kernel's time against the level walk); PROFILE_BUDGET=auto TREE_GRAPHS=1 PROFILE_BATCHES=1 profile (at c = 1 the
-#  controller's tree steps took 0.7 ms more than budget 16's at f428370, HumanEval: drafting +0.3, engine +0.4,
-#  where `choose` itself costs ~0.1 ms on the CPU); online; treegraphs. In the matrix rows also read
-#  `plain_full_steps` / `plain_piecewise_steps` (which of vLLM's graphs our steps without trees replay).
+#  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~70 s)
+#  11   gdnbench (~5 min: `gdn_tree.json` at the issue's shapes against the floor; its serial baseline through
+#       vLLM's FLA copy fixed in 7d976ff)
+#  12   VLLM_BOLE_FLASH_PREFIX=1 MIXED="nemotron_h qwen3_next" MIXED_SECONDS=400 mixed  (issue 14 item 4 inside the
+#       engine: the prefix from vLLM's FlashAttention, 1.25x the floor in tree_attention.json at fbec640; identity
+#       with it, then make it the default); also the GDN fix inside Qwen3-Next
+#  13   PARALLEL=1 E2E_SECONDS=430 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model" matrix
+#       only if a controller change landed (fbec640 measured 0.84-0.97x the best fixed budget; README)
+#  then, as time allows: TRAIN_MODELS="block mtp" train (the heads, issue 16; at home its train_pair.json becomes
+#  train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees; kernelspeed (SSD);
+#  `kernels` (Mamba1 path_groups, issue 19); treegraphs.
+# 2026-12-06 (28th session, fbec640): three refused starts (~270 s), an H100 whose start took ~300 s: gdnkernel
+# with GDN_PROBE_BATCHES="32 1" (349 s: the one-launch GDN step failed at 64-node bf16 trees), parts x9 (~25 s),
+# `install unpack` (66 s), the matrix (449 s), MIXED=qwen3_next `mixed` (80 s: passed), check_sampled_verify.py
+# (11 s), bench_tree_attention.py --quick (40 s), bench_gdn_tree.py --quick twice (failed: the fault, and the
+# serial baseline's call), given back with 356 s left; a later try: too little left to start.
 # 2026-12-05 (27th session, 1be1c66): lending paused, then nine tries of the bare `gdnkernel` run got no machine
 # (22:07-22:53, ~600 s of budget on refusals): no stay; the plan above gained gdnkernel (first: it needs no bundle).
 # 2026-12-05 (26th session, f428370): an H100 at the first call; parts x8 (~25 s), `install unpack` (96 s), the

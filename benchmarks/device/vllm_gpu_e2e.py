@@ -257,7 +257,7 @@ def mixed_case(arch, model, prompts) -> dict:
     st = ours["jobs"][0]["stats"]
     out = dict(arch=arch, dtype=dtype, same=same, aborted_after_tokens=len(ab["tokens"]),
                resumed_requests=st["resumed_requests"], prefill_mixed_tree_steps=st["prefill_mixed_tree_steps"],
-               accepted=st["accepted"],
+               accepted=st["accepted"], flash_prefix=os.environ.get("VLLM_BOLE_FLASH_PREFIX", "0") == "1",
                one_first_token={name: [r["jobs"][0]["outputs"]["one"]["tokens"][0], r["jobs"][1]["tokens"][0][0]]
                                 for name, r in (("base", base), ("ours", ours))})  # [in the mix, alone]
     aborted_ok = ab["finish_reason"] == "aborted_by_client"
