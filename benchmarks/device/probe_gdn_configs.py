@@ -74,7 +74,7 @@ for launches, bv, nv, nw in configs:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 1, 128, 8])  # the B = 32 first
-    ap.add_argument("--nodes", type=int, nargs="+", default=[64, 16, 128])  # 128: two blocks of 64
+    ap.add_argument("--nodes", type=int, nargs="+", default=[64, 16, 128])  # 128: blocks of 32 rows
     args = ap.parse_args()
     from benchmarks.harness import write_results
 
@@ -89,7 +89,8 @@ def main():
             for row in got:
                 print(row, flush=True)
             rows += got  # written after every (B, N): an outer timeout keeps the rows measured so far
-            path = write_results("gdn_probe_configs.json", rows, extra=dict(shapes=dict(Hk=16, Hv=32, K=128, V=128, pending=5)))
+            path = write_results("gdn_probe_configs.json", rows,
+                                 extra=dict(shapes=dict(Hk=16, Hv=32, K=128, V=128, pending=5)))
     print(path)
 
 
