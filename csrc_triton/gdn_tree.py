@@ -32,10 +32,10 @@ once per program and applied to each of its tiles.
    (up to 256 nodes) run a blocked forward substitution: block i gathers sum_{j<i} A_ij d_j and
    sum_{j<i} (e^{G_i - G_j} q_i.k_j) d_j from the earlier blocks (their d in a global fp32 scratch
    [T, Hv, V], their G in [NV, T, Hv], written and read back by the same program after a barrier),
-   then d_i = (I + A_ii)^{-1} (U_i - sum_{j<i} A_ij d_j). Diagonal blocks are inverted as the Neumann series of the nilpotent
-   A_ii ((I - A)(I + A^2)(I + A^4)..., ``tiles.unit_lower_inverse``: about log2(depth) squarings,
-   once per program). G of a block is summed from the ancestor mask over the blocks at
-   or before it.
+   then d_i = (I + A_ii)^{-1} (U_i - sum_{j<i} A_ij d_j). Diagonal blocks are inverted as the
+   Neumann series of the nilpotent A_ii ((I - A)(I + A^2)(I + A^4)..., ``tiles.unit_lower_inverse``:
+   about log2(depth) squarings, once per program). G of a block is summed from the ancestor mask
+   over the blocks at or before it.
 
 Precision: fp32 inputs -> fp32 operands (tf32 tensor-core products on the GPU, exact fp32 in the
 interpreter); 16-bit inputs -> bf16 operands with fp32 accumulation (``LOWP``; FLA's chunk
