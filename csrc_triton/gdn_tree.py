@@ -252,7 +252,10 @@ def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pen
     block of BR = that size rounded up to a power of two (>= 16); larger trees run blocks of BR = 32. A
     64-row block with bf16 operands gave wrong outputs then an illegal memory access on the H100 (every
     launch config; ``kernel_envelope.json`` at fbec640: the only failures), where 32-row blocks and fp32
-    64-row blocks are exact: such trees take two blocks of 32. Tiles and splits: :func:`launch_config`
+    64-row blocks are exact: such trees take two blocks of 32. The same pattern as FLA's reports of
+    Triton >= 3.4 on Hopper (fla-org/flash-linear-attention#984: wrong results at 64-row chunks only, 16 and
+    32 exact; #640 / PR #826: 16-bit wgmma outputs moved to shared memory through a miscompiled stmatrix);
+    not reduced to a reproducer here. Tiles and splits: :func:`launch_config`
     (B = 32, 16 nodes: BV 64 unsplit 0.110 ms against 0.126 for BV 32; B = 1: BV 32 in four splits 0.012
     ms against 0.017 unsplit). One launch for one-block trees (0.110 against 0.126 ms for commit and
     verification apart at B = 32), two for blocked trees (``launches``; 0.446 against 0.540 ms at B =
