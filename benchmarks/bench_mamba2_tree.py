@@ -256,10 +256,12 @@ def check_baselines(cfg, dtype, dev, B=3, N=16, seed=5):
     return baseline_errors(c, state, cfg, dict(serial=serial_setup, per_node=per_node_setup), y_ref, want)
 
 
-def probe_configs(cfg, B, N, dev):
+def probe_configs(cfg, B, N, dev, cb_only=False):
     """ours (stash + fused step) over kernel launch configs (P tile, node rows per block, warps; the
-    defaults at N = 64, d_state 128: BP 64, two blocks of 32 rows, 4 warps), for choosing defaults:
-    per config [ms, relative error of y and of the state against the defaults' step from the same state]."""
+    defaults at N = 64, d_state 128: BP 64, two blocks of 32 rows, 4 warps; and the defaults with the group's
+    C B^T tiles from ``ssd_cb_kernel`` or not, ``default_cb1`` / ``default_cb0``), for choosing defaults:
+    per config [ms, relative error of y and of the state against the defaults' step from the same state];
+    ``cb_only``: those two alone."""
     from csrc_triton.ssd_tree import ssd_tree_step as launch
 
     H, G, P, Nst = cfg
@@ -280,13 +282,15 @@ def probe_configs(cfg, B, N, dev):
 
     y_ref, s_ref = once()
     res = {}
-    for bp, br, nw in itertools.product((32, 64), (64, 32, 16), (4, 8)):  # P tile, node rows per block, warps
-        config = dict(block_p=bp, block_r=br, num_warps=nw)
+    grid = [] if cb_only else itertools.product((32, 64), (64, 32, 16), (4, 8))  # P tile, rows per block, warps
+    configs = {f"BP{bp}_BR{br}_w{nw}": dict(block_p=bp, block_r=br, num_warps=nw) for bp, br, nw in grid}
+    configs |= {f"default_cb{int(on)}": dict(shared_cb=on) for on in (True, False)}  # C B^T shared by the group's heads
+    for name, config in configs.items():
         try:
             y, s = once(**config)
-            res[f"BP{bp}_BR{br}_w{nw}"] = [bench_ms(lambda: step(**config), rep=30), rel_err(y, y_ref), rel_err(s, s_ref)]
+            res[name] = [bench_ms(lambda: step(**config), rep=30), rel_err(y, y_ref), rel_err(s, s_ref)]
         except Exception as e:  # a config that does not compile or run is reported, not fatal
-            res[f"BP{bp}_BR{br}_w{nw}"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            res[name] = f"error: {type(e).__name__}: {str(e)[:120]}"
     return res
 
 
@@ -379,6 +383,9 @@ def main():
         for name, cfg in configs.items():
             probe[f"{name}/B32/N64"] = probe_configs(cfg, 32, 64, dev)
             print("probe", name, "B=32 N=64", probe[f"{name}/B32/N64"], flush=True)
+            for B, N in ((32, 32), (1, 64)):  # one block; one request: the shared tiles' launch against their savings
+                probe[f"{name}/B{B}/N{N}"] = probe_configs(cfg, B, N, dev, cb_only=True)
+                print("probe", name, f"B={B} N={N}", probe[f"{name}/B{B}/N{N}"], flush=True)
     print(f"\nwall {time.time() - t0:.0f} s")
     print("wrote", save(rows, probe))
 

@@ -24,9 +24,10 @@ strides, any float dtype, computed in fp32) and:
    program after a barrier).
 
 dt_eff = clamp(softplus(dt + dt_bias) if DT_SOFTPLUS else dt + dt_bias, lo, hi) (the oracle's
-convention; softplus threshold 20). Head h uses group h // (H // G). The group's C B^T is
-recomputed by every (head, P tile) program: a [BR, N] x [N, BR] product per block pair, cheap
-against the state tile's bytes. Precision: fp32 inputs -> fp32 operands (tf32 tensor-core
+convention; softplus threshold 20). Head h uses group h // (H // G). The group's C B^T tiles (a
+[BR, N] x [N, BR] product per block pair) come from ``ssd_cb_kernel``, one launch before the step,
+for blocked trees, and are computed by every (head, P tile) program for trees of one block (the
+launcher's ``shared_cb``). Precision: fp32 inputs -> fp32 operands (tf32 tensor-core
 products on the GPU, exact fp32 in the interpreter); 16-bit inputs -> bf16 operands with fp32
 accumulation (the state tile rounded to bf16 for the C h^T product only), emulated exactly under
 the interpreter (``tiles.mm``); the commit keeps fp32 operands and the state stays fp32 in
@@ -68,13 +69,52 @@ def _block_G(dt, anc_mask, bos, n, rows, row_ok, nblk, h, A_h, bias_h, lo, hi, H
 
 
 @triton.jit
+def ssd_cb_kernel(Bm, Cm, cb, cu_nodes, npair, G: tl.constexpr, N: tl.constexpr, BR: tl.constexpr,
+                  BN: tl.constexpr, LOWP: tl.constexpr, EMUL: tl.constexpr):
+    """The group's C_i B_j^T tiles of a blocked tree, once per (request, group) instead of once per head:
+    program (b * G + g, row block ib) writes the [BR, BR] fp32 tiles of the block pairs (ib, jb <= ib) into
+    ``cb`` [B, G, npair, BR, BR] at pair ib (ib + 1) / 2 + jb (npair = NB (NB + 1) / 2 for NB row blocks)."""
+    pid = tl.program_id(0)
+    b, g, ib = pid // G, pid % G, tl.program_id(1)
+    bos = tl.load(cu_nodes + b)
+    n = tl.load(cu_nodes + b + 1) - bos
+    if ib * BR < n:
+        o_r = tl.arange(0, BR)
+        o_n = tl.arange(0, BN)
+        nm = o_n < N
+        ri = ib * BR + o_r
+        mi = ri < n
+        rows_i = (bos + ri).to(tl.int64)
+        C_i = tl.load(Cm + (rows_i[:, None] * G + g) * N + o_n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+        base = cb + (pid.to(tl.int64) * npair + ib * (ib + 1) // 2) * BR * BR + o_r[:, None] * BR + o_r[None, :]
+        for jb in range(0, ib + 1):
+            rj = jb * BR + o_r
+            mj = rj < n
+            rows_j = (bos + rj).to(tl.int64)
+            B_j = tl.load(Bm + (rows_j[:, None] * G + g) * N + o_n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
+            tl.store(base + jb * BR * BR, mm(C_i, tl.trans(B_j), LOWP, EMUL))
+
+
+@triton.jit
+def _cb_tile(Bm, C_i, cb_base, rows_j, mj, ib, jb, g, o_n, nm, G: tl.constexpr, N: tl.constexpr, BR: tl.constexpr,
+             HAS_CB: tl.constexpr, LOWP: tl.constexpr, EMUL: tl.constexpr):
+    """C_i B_j^T [BR, BR] of block pair (ib, jb): read from ``ssd_cb_kernel``'s tiles (HAS_CB) or computed here."""
+    if HAS_CB:
+        o_r = tl.arange(0, BR)
+        return tl.load(cb_base + (ib * (ib + 1) // 2 + jb) * BR * BR + o_r[:, None] * BR + o_r[None, :])
+    B_j = tl.load(Bm + (rows_j[:, None] * G + g) * N + o_n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
+    return mm(C_i, tl.trans(B_j), LOWP, EMUL)
+
+
+@triton.jit
 def _verify_block(
-    ib, x, dt, Bm, Cm, y, gscr, anc_mask, bos, n, h, g, S, A_h, bias_h, lo, hi, D_h, o_p, pmask, o_n, nm,
+    ib, x, dt, Bm, Cm, y, gscr, cb_base, anc_mask, bos, n, h, g, S, A_h, bias_h, lo, hi, D_h, o_p, pmask, o_n, nm,
     H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BR: tl.constexpr, MW: tl.constexpr,
-    MULTI: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    LOWP: tl.constexpr, EMUL: tl.constexpr,
+    MULTI: tl.constexpr, HAS_CB: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, LOWP: tl.constexpr, EMUL: tl.constexpr,
 ):
-    """Outputs of row block ib for one P tile (MULTI: its G into the scratch for later blocks)."""
+    """Outputs of row block ib for one P tile (MULTI: its G into the scratch for later blocks; HAS_CB: the
+    group's C B^T tiles from ``ssd_cb_kernel``)."""
     o_r = tl.arange(0, BR)
     ri = ib * BR + o_r
     mi = ri < n
@@ -90,18 +130,18 @@ def _verify_block(
             G_j = tl.load(gscr + rows_j * H + h, mask=mj, other=0.0)
             dt_j = tl.where(mj, _dt_eff(tl.load(dt + rows_j * H + h, mask=mj, other=0.0), bias_h, lo, hi,
                                         HAS_DT_BIAS, DT_SOFTPLUS), 0.0)
-            B_j = tl.load(Bm + (rows_j[:, None] * G + g) * N + o_n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
             X_j = tl.load(x + (rows_j[:, None] * H + h) * P + o_p[None, :], mask=mj[:, None] & pmask[None, :], other=0.0)
             M = anc_tile(anc_mask, rows_i, mi, rj, mj, MW)
-            W = tl.exp(tl.where(M, G_i[:, None] - G_j[None, :], float("-inf"))) * dt_j[None, :] * mm(C_i, tl.trans(B_j), LOWP, EMUL)
+            CB = _cb_tile(Bm, C_i, cb_base, rows_j, mj, ib, jb, g, o_n, nm, G, N, BR, HAS_CB, LOWP, EMUL)
+            W = tl.exp(tl.where(M, G_i[:, None] - G_j[None, :], float("-inf"))) * dt_j[None, :] * CB
             out += mm(W, X_j, LOWP, EMUL)
     dt_i = tl.where(mi, _dt_eff(tl.load(dt + rows_i * H + h, mask=mi, other=0.0), bias_h, lo, hi, HAS_DT_BIAS, DT_SOFTPLUS), 0.0)
-    B_i = tl.load(Bm + (rows_i[:, None] * G + g) * N + o_n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
     x_mask = mi[:, None] & pmask[None, :]
     x_off = (rows_i[:, None] * H + h) * P + o_p[None, :]
     X_i = tl.load(x + x_off, mask=x_mask, other=0.0)
     M = anc_tile(anc_mask, rows_i, mi, ri, mi, MW)
-    W = tl.exp(tl.where(M, G_i[:, None] - G_i[None, :], float("-inf"))) * dt_i[None, :] * mm(C_i, tl.trans(B_i), LOWP, EMUL)
+    CB = _cb_tile(Bm, C_i, cb_base, rows_i, mi, ib, ib, g, o_n, nm, G, N, BR, HAS_CB, LOWP, EMUL)
+    W = tl.exp(tl.where(M, G_i[:, None] - G_i[None, :], float("-inf"))) * dt_i[None, :] * CB
     out += mm(W, X_i, LOWP, EMUL)
     if HAS_D:
         out += D_h * X_i.to(tl.float32)
@@ -114,13 +154,14 @@ def _verify_block(
 @triton.jit
 def ssd_tree_step_kernel(
     x, dt, Bm, Cm, y, gscr,  # tree inputs [T, H, P], [T, H], [T, G, N] x2; y [T, H, P]; gscr [P tiles, T, H] fp32 (MULTI)
+    cb, npair,  # HAS_CB: ssd_cb_kernel's tiles [B, G, npair, BR, BR] fp32
     cu_nodes, anc_mask, T,  # [B + 1] int32, [T, MW] int32, T
     A, D, dt_bias, dt_lo, dt_hi,  # [H] fp32 (D, dt_bias: dummies when absent), dt clamp
     state, state_idx, s_slot, s_h, s_p, s_n,  # state[slot, h, p, n] through strides; state_idx [B]
     px, pdt, pB, plen, pidx, L,  # pending path: [R, L, H, P], [R, L, H], [R, L, G, N], [R]; its rows [B]
     H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BR: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, MW: tl.constexpr, MULTI: tl.constexpr,
-    HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    HAS_CB: tl.constexpr, HAS_TREE: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, LOWP: tl.constexpr, BF16_EMUL: tl.constexpr, EVEN: tl.constexpr,
 ):
     b, h, g, slot = program_head(state_idx, H, G)
@@ -169,19 +210,21 @@ def ssd_tree_step_kernel(
         if HAS_D:
             D_h = tl.load(D + h).to(tl.float32)
         gscr += tl.program_id(1).to(tl.int64) * T * H
+        cb_base = cb + (b.to(tl.int64) * G + g) * npair * BR * BR
         if MULTI:
             for ib in range(0, tl.cdiv(n, BR)):
-                _verify_block(ib, x, dt, Bm, Cm, y, gscr, anc_mask, bos, n, h, g, S, A_h, bias_h, dt_lo, dt_hi, D_h,
-                              o_p, pmask, o_n, nm, H, G, P, N, BR, MW, True, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS,
-                              LOWP, BF16_EMUL)
+                _verify_block(ib, x, dt, Bm, Cm, y, gscr, cb_base, anc_mask, bos, n, h, g, S, A_h, bias_h, dt_lo,
+                              dt_hi, D_h, o_p, pmask, o_n, nm, H, G, P, N, BR, MW, True, HAS_CB, HAS_D, HAS_DT_BIAS,
+                              DT_SOFTPLUS, LOWP, BF16_EMUL)
         else:
-            _verify_block(0, x, dt, Bm, Cm, y, gscr, anc_mask, bos, n, h, g, S, A_h, bias_h, dt_lo, dt_hi, D_h,
-                          o_p, pmask, o_n, nm, H, G, P, N, BR, MW, False, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS,
-                          LOWP, BF16_EMUL)
+            _verify_block(0, x, dt, Bm, Cm, y, gscr, cb_base, anc_mask, bos, n, h, g, S, A_h, bias_h, dt_lo, dt_hi,
+                          D_h, o_p, pmask, o_n, nm, H, G, P, N, BR, MW, False, HAS_CB, HAS_D, HAS_DT_BIAS,
+                          DT_SOFTPLUS, LOWP, BF16_EMUL)
 
 
 def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, dt_softplus, dt_limit, out=None,
-                  pending_idx=None, *, block_p=None, block_r=None, num_warps=None, num_stages=1, lowp=None):
+                  pending_idx=None, *, block_p=None, block_r=None, num_warps=None, num_stages=1, lowp=None,
+                  shared_cb=None):
     """Launch ``ssd_tree_step_kernel``; arguments as ``vllm_bole.mamba.ssd_tree.ssd_tree_step``.
 
     ``tree=None`` runs the commit alone; ``pending=None`` the verification alone.
@@ -193,6 +236,13 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
     (H100, ff6ad01, ``mamba2_tree_quick.json``: B = 32, 64-node trees, Nemotron-H-8B and its TP-2
     shard): two blocks of 32 rows with 4 warps took 0.32 / 0.17 ms, one block of 64 with 4 warps 0.36 /
     0.19, two of 32 with 8 warps 0.43 / 0.22; BP = 32 slower in every case. Larger trees were not probed.
+    ``shared_cb`` (default: blocked trees): the group's C B^T tiles from one ``ssd_cb_kernel`` launch
+    before the step, instead of each of the group's H / G heads computing them (a [BR, N] x [N, BR]
+    product per block pair and head: at BR = 32, d_state 128, 64 nodes about a third of the
+    verification's multiply-adds, 44% at 128 nodes; its times tracked them in that probe: two blocks of
+    32 and four of 16 within 6%). Chosen from that count, not yet timed (the probe's ``cb`` rows); one
+    launch more, and [B, G, NB (NB + 1) / 2, BR, BR] fp32 of tiles (NB row blocks; 3 MB at B = 32, G =
+    8, 64 nodes), read from L2 by the group's heads.
     """
     import torch
 
@@ -203,7 +253,9 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
     n_pt = triton.cdiv(P, BP)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     A = f32(A)
-    BR, multi, gscr = 16, False, state
+    if lowp is None:
+        lowp = tree is not None and x.element_size() == 2
+    BR, multi, gscr, cb, npair = 16, False, state, state, 0
     if tree is not None:
         x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))  # the kernel assumes dense rows (no copy if they are)
         G = B.shape[1]
@@ -213,15 +265,22 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
         multi = BT > BR
         if multi:
             gscr = torch.empty(n_pt, T, H, dtype=torch.float32, device=x.device)
+        shared_cb = multi if shared_cb is None else shared_cb
+        if shared_cb:
+            NB = triton.cdiv(BT, BR)
+            npair = NB * (NB + 1) // 2
+            cb = torch.empty(nB, G, npair, BR, BR, dtype=torch.float32, device=x.device)
+            ssd_cb_kernel[(nB * G, NB)](B, C, cb, tree.cu_nodes, npair, G=G, N=N, BR=BR, BN=BN, LOWP=bool(lowp),
+                                        EMUL=INTERPRET, num_warps=4)
         if out is None:
             out = torch.empty(T, H, P, dtype=x.dtype, device=x.device)
         assert out.is_contiguous(), "out must be contiguous"
-        tree_args = (x, dt, B, C, out, gscr, tree.cu_nodes, tree.anc_mask, T)
+        tree_args = (x, dt, B, C, out, gscr, cb, npair, tree.cu_nodes, tree.anc_mask, T)
         MW = tree.anc_mask.shape[1]
     else:
         G = pending.B.shape[2]
         out, MW = None, 1
-        tree_args = (state, state, state, state, state, state, state_idx, state_idx, 0)
+        tree_args = (state,) * 7 + (0, state_idx, state_idx, 0)
     if pending is not None:
         Lmax = pending.max_len
         CP = min(32, max(16, triton.next_power_of_2(Lmax)))
@@ -230,8 +289,6 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
     else:
         CP = 16
         pend_args = (state, state, state, state_idx, state_idx, 0)
-    if lowp is None:
-        lowp = tree is not None and x.element_size() == 2
     ssd_tree_step_kernel[(nB * H, n_pt)](
         *tree_args,
         A, f32(D) if D is not None else A, f32(dt_bias) if dt_bias is not None else A,
@@ -239,7 +296,8 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
         state, state_idx, *state.stride(),
         *pend_args,
         H=H, G=G, P=P, N=N, BR=BR, BP=BP, BN=BN, CP=CP, MW=MW, MULTI=multi, EVEN=P % BP == 0 and BN == N,
-        HAS_TREE=tree is not None, HAS_PENDING=pending is not None, HAS_D=D is not None,
+        HAS_CB=bool(tree is not None and shared_cb), HAS_TREE=tree is not None, HAS_PENDING=pending is not None,
+        HAS_D=D is not None,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), LOWP=bool(lowp), BF16_EMUL=INTERPRET,
         num_warps=num_warps or (8 if multi and BN > 128 else 4), num_stages=num_stages,
     )

@@ -222,6 +222,29 @@ def test_ssd_bf16_state(kernels):
     assert e_out < TOL and e_state < 1e-2
 
 
+@pytest.mark.parametrize("name,dtype", [("N64", torch.float32), ("ragged", torch.float32), ("N129", torch.bfloat16),
+                                        ("N20", torch.bfloat16)])
+def test_ssd_shared_cb_tiles(name, dtype):
+    """The group's C B^T tiles from ``ssd_cb_kernel`` (the default for blocked trees) give the outputs of each head's
+    own products: blocked and one-block trees, the ragged batch (root-only requests), fp32 and bf16 operands, a
+    group shared by four heads; both against the oracle."""
+    from csrc_triton.ssd_tree import ssd_tree_step as launch
+
+    one_block = [random_tree(20, generator=torch.Generator().manual_seed(3))]
+    tree = _tree(name) if name != "N20" else TreeBatch.from_parents(one_block)
+    gen = torch.Generator().manual_seed(len(name))
+    T, B, H, G, P, N = tree.num_nodes, tree.num_requests, 8, 2, 32, 64
+    x, dt = torch.randn(T, H, P, generator=gen).to(dtype), torch.randn(T, H, generator=gen).to(dtype)
+    Bm, Cm = ((torch.randn(T, G, N, generator=gen) * 0.3).to(dtype) for _ in range(2))
+    A, D, bias = -(torch.rand(H, generator=gen) + 0.1), torch.randn(H, generator=gen), torch.randn(H, generator=gen) * 0.3
+    state, slots, unused = _slot_cache(B, (H, P, N), torch.float32, gen)
+    y_ref, _ = ssd_tree_reference(tree, x, dt, A, Bm, Cm, state[slots.long()], D=D, dt_bias=bias, dt_limit=(0.0, 2.0))
+    ys = [launch(x, dt, A, Bm, Cm, tree, state, slots, None, D, bias, True, (0.0, 2.0), shared_cb=shared)
+          for shared in (True, False)]
+    assert rel_err(ys[0], ys[1]) < 1e-6 and torch.isnan(state[unused]).all()
+    assert rel_err(ys[0], y_ref) < (TOL if dtype == torch.float32 else 2e-2)
+
+
 def test_ssd_refuses_unsupported_dims():
     tree = _tree("N64")
     T = tree.num_nodes

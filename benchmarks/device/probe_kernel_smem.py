@@ -51,21 +51,22 @@ def gdn_cases():
 
     for dt in ("fp32", "bf16"):
         for K, V in ((64, 64), (128, 128), (256, 256), (128, 96)):
-            BV = G._pow2_divisor(V, G.BLOCK_V)
             for BT in (64, 128, 256):
-                one = 64 if K <= 128 else 32
+                one = G.MAX_BLOCK_R_LOWP if dt == "bf16" or K > 128 else G.MAX_BLOCK_R  # as gdn_step
                 BR = BT if BT <= one else 32
                 multi = BT > BR
-                for NV in sorted({1, V // BV}):
-                    sig = dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", g="*fp32", beta="*fp32", o=f"*{dt}", dscr="*fp32",
-                               gscr="*fp32", cu_nodes="*i32", anc_mask="*i32", inv_steps="i32", T="i32", state=f"*{dt}",
-                               state_idx="*i32", s_slot="i64", s_h="i64", s_k="i64", s_v="i64", pk=f"*{dt}", pv=f"*{dt}",
-                               pg="*fp32", pbeta="*fp32", plen="*i32", pidx="*i32", P="i32", scale="fp32")
-                    ce = dict(Hk=1, Hv=2, K=K, V=V, BR=BR, BV=BV, NV=NV, MW=8, CP=16, STEPS=3, MULTI=multi,
-                              HAS_TREE=True, HAS_PENDING=True, USE_L2NORM=True, LOWP=dt == "bf16", EMUL=False,
-                              INV_LOWP=dt == "bf16")
-                    yield (f"gdn_step {dt} K={K} V={V} BT={BT} BR={BR} BV={BV} NV={NV}", G.gdn_step_kernel, sig, ce,
-                           8 if multi else 4)
+                for BV in sorted({G._pow2_divisor(V, bv) for bv in G.BLOCK_V}):
+                    for NV in sorted({1, V // BV}):
+                        sig = dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", g="*fp32", beta="*fp32", o=f"*{dt}",
+                                   dscr="*fp32", gscr="*fp32", cu_nodes="*i32", anc_mask="*i32", inv_steps="i32",
+                                   T="i32", state=f"*{dt}", state_idx="*i32", s_slot="i64", s_h="i64", s_k="i64",
+                                   s_v="i64", pk=f"*{dt}", pv=f"*{dt}", pg="*fp32", pbeta="*fp32", plen="*i32",
+                                   pidx="*i32", P="i32", scale="fp32")
+                        ce = dict(Hk=1, Hv=2, K=K, V=V, BR=BR, BV=BV, NV=NV, MW=8, CP=16, STEPS=3, MULTI=multi,
+                                  HAS_TREE=True, HAS_PENDING=not multi, USE_L2NORM=True, LOWP=dt == "bf16", EMUL=False,
+                                  INV_LOWP=dt == "bf16")  # blocked trees: the commit in a launch of its own
+                        yield (f"gdn_step {dt} K={K} V={V} BT={BT} BR={BR} BV={BV} NV={NV}", G.gdn_step_kernel, sig,
+                               ce, 4)
 
 
 def ssd_cases():
@@ -73,19 +74,24 @@ def ssd_cases():
 
     for dt in ("fp32", "bf16"):
         for P, N in ((64, 128), (128, 256), (32, 16), (128, 128)):
-            for BT in (64, 128, 256):
-                BN = max(16, triton.next_power_of_2(N))
+            BN = max(16, triton.next_power_of_2(N))
+            for BT in (32, 64, 128, 256):
                 BP = min(32 if BN > 128 else 64, triton.next_power_of_2(P))
-                one = 64 if BN <= 128 else 32
-                BR = BT if BT <= one else 32
-                sig = dict(x=f"*{dt}", dt=f"*{dt}", Bm=f"*{dt}", Cm=f"*{dt}", y=f"*{dt}", gscr="*fp32", cu_nodes="*i32",
-                           anc_mask="*i32", T="i32", A="*fp32", D="*fp32", dt_bias="*fp32", dt_lo="fp32", dt_hi="fp32",
-                           state=f"*{dt}", state_idx="*i32", s_slot="i64", s_h="i64", s_p="i64", s_n="i64", px=f"*{dt}",
-                           pdt=f"*{dt}", pB=f"*{dt}", plen="*i32", pidx="*i32", L="i32")
-                ce = dict(H=8, G=8, P=P, N=N, BR=BR, BP=BP, BN=BN, CP=32, MW=8, MULTI=BT > BR, HAS_TREE=True,
-                          HAS_PENDING=True, HAS_D=True, HAS_DT_BIAS=True, DT_SOFTPLUS=True, LOWP=dt == "bf16",
-                          BF16_EMUL=False, EVEN=P % BP == 0 and BN == N)
-                yield f"ssd_step {dt} P={P} N={N} BT={BT} BR={BR} BP={BP}", S.ssd_tree_step_kernel, sig, ce, 8 if BT > BR else 4
+                BR = min(BT, 32)  # as ssd_tree_step
+                multi = BT > BR
+                sig = dict(x=f"*{dt}", dt=f"*{dt}", Bm=f"*{dt}", Cm=f"*{dt}", y=f"*{dt}", gscr="*fp32", cb="*fp32",
+                           npair="i32", cu_nodes="*i32", anc_mask="*i32", T="i32", A="*fp32", D="*fp32",
+                           dt_bias="*fp32", dt_lo="fp32", dt_hi="fp32", state=f"*{dt}", state_idx="*i32", s_slot="i64",
+                           s_h="i64", s_p="i64", s_n="i64", px=f"*{dt}", pdt=f"*{dt}", pB=f"*{dt}", plen="*i32",
+                           pidx="*i32", L="i32")
+                ce = dict(H=8, G=8, P=P, N=N, BR=BR, BP=BP, BN=BN, CP=32, MW=8, MULTI=multi, HAS_CB=multi,
+                          HAS_TREE=True, HAS_PENDING=True, HAS_D=True, HAS_DT_BIAS=True, DT_SOFTPLUS=True,
+                          LOWP=dt == "bf16", BF16_EMUL=False, EVEN=P % BP == 0 and BN == N)
+                yield (f"ssd_step {dt} P={P} N={N} BT={BT} BR={BR} BP={BP}", S.ssd_tree_step_kernel, sig, ce,
+                       8 if multi and BN > 128 else 4)
+            sig = dict(Bm=f"*{dt}", Cm=f"*{dt}", cb="*fp32", cu_nodes="*i32", npair="i32")
+            yield (f"ssd_cb {dt} N={N} BR=32", S.ssd_cb_kernel, sig,
+                   dict(G=8, N=N, BR=32, BN=BN, LOWP=dt == "bf16", EMUL=False), 4)
 
 
 def attention_cases():
