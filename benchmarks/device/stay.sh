@@ -21,7 +21,8 @@
 #  13   PARALLEL=1 E2E_SECONDS=430 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model" matrix
 #       only if a controller change landed (fbec640 measured 0.84-0.97x the best fixed budget; README)
 #  then, as time allows: TRAIN_MODELS="block mtp" train (the heads, issue 16; at home its train_pair.json becomes
-#  train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees; kernelspeed (SSD);
+#  train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees; kernelspeed (SSD: its probe
+#  times the shared C B^T tiles of 09e0763, `default_cb1` against `default_cb0`; the envelope of run 0 checks them);
 #  `kernels` (Mamba1 path_groups, issue 19); treegraphs.
 # 2026-12-06 (28th session, fbec640): three refused starts (~270 s), an H100 whose start took ~300 s: gdnkernel
 # with GDN_PROBE_BATCHES="32 1" (349 s: the one-launch GDN step failed at 64-node bf16 trees), parts x9 (~25 s),
