@@ -18,12 +18,12 @@
 #  12   VLLM_BOLE_FLASH_PREFIX=1 MIXED="nemotron_h qwen3_next" MIXED_SECONDS=400 mixed  (issue 14 item 4 inside the
 #       engine: the prefix from vLLM's FlashAttention, 1.25x the floor in tree_attention.json at fbec640; identity
 #       with it, then make it the default); also the GDN fix inside Qwen3-Next
-#  13   PARALLEL=1 E2E_SECONDS=430 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model" matrix
-#       only if a controller change landed (fbec640 measured 0.84-0.97x the best fixed budget; README)
+#  13   kernelspeed (~6 min: SSD at the issue's shapes; its probe times the shared C B^T tiles of 09e0763,
+#       `default_cb1` against `default_cb0` in `mamba2_tree_quick.json`'s `probe`; run 0's envelope checks them)
 #  then, as time allows: TRAIN_MODELS="block mtp" train (the heads, issue 16; at home its train_pair.json becomes
-#  train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees; kernelspeed (SSD: its probe
-#  times the shared C B^T tiles of 09e0763, `default_cb1` against `default_cb0`; the envelope of run 0 checks them);
-#  `kernels` (Mamba1 path_groups, issue 19); treegraphs.
+#  train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees; `kernels` (Mamba1
+#  path_groups, issue 19); treegraphs; the matrix only after a controller change (fbec640: 0.84-0.97x the best
+#  fixed budget).
 # 2026-12-06 (28th session, fbec640): three refused starts (~270 s), an H100 whose start took ~300 s: gdnkernel
 # with GDN_PROBE_BATCHES="32 1" (349 s: the one-launch GDN step failed at 64-node bf16 trees), parts x9 (~25 s),
 # `install unpack` (66 s), the matrix (449 s), MIXED=qwen3_next `mixed` (80 s: passed), check_sampled_verify.py
