@@ -386,6 +386,7 @@ def main():
             for B, N in ((32, 32), (1, 64)):  # one block; one request: the shared tiles' launch against their savings
                 probe[f"{name}/B{B}/N{N}"] = probe_configs(cfg, B, N, dev, cb_only=True)
                 print("probe", name, f"B={B} N={N}", probe[f"{name}/B{B}/N{N}"], flush=True)
+            save(rows, probe)  # an outer timeout keeps the shapes probed so far
     print(f"\nwall {time.time() - t0:.0f} s")
     print("wrote", save(rows, probe))
 
