@@ -1,4 +1,5 @@
-"""Gated DeltaNet tree step (Triton): the pending-path commit and the tree verification in ONE launch.
+"""Gated DeltaNet tree step (Triton): the pending-path commit and the tree verification in one kernel
+(one launch; the launcher splits them into two launches for blocked trees, ``gdn_step``).
 
 One program per (request, value head, V split ``vs``): it owns the V tiles vs, vs + NV, vs + 2 NV, ...
 (BV columns each) of the request's committed state S [K, V] = ``state[slot, h]`` (FLA's [K, V] and

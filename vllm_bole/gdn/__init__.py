@@ -23,7 +23,8 @@ Factors and commit. A verify pass writes no per-node state. After sampling,
 accepted draft nodes: at most depth + 1 tokens, in their input dtype) into a per-slot
 ``PendingPath``. The next ``gdn_tree_step`` of that slot first rebuilds the state after those
 tokens from the committed state (the chain closed form) and writes it in place, then verifies the
-new tree from it (Triton: one launch; the state crosses DRAM once in and once out per step).
+new tree from it (Triton: one launch for trees of one block, two for blocked trees; the state crosses DRAM
+once in and once out per step, plus an L2 re-read between the two launches).
 ``gdn_commit_pending`` applies a pending path alone (request finishing, preemption, prefill
 reuse). Keeping inputs rather than (k, d, log gamma) factors costs fewer bytes and no extra
 write in the verify pass; the commit recomputes the short path (<= depth + 1 tokens).
@@ -86,7 +87,7 @@ def gdn_tree_step(
 
     Returns o [T, Hv, V] (written into ``out`` when given; None when ``tree`` is None: commit only). Pending lengths of the
     touched rows are reset to 0. ``state`` may be fp32 or the model dtype (computed in fp32,
-    stored in its own dtype). Triton: the commit and the verification are one launch.
+    stored in its own dtype). Triton: the commit and the verification are one launch (two for blocked trees).
     ``reset_pending=False`` leaves the pending lengths of the touched slots as they were, for a
     caller that stashes every one of them next (the engine: each verified slot's accepted path),
     which saves a launch per step; they must not be read before that stash.
