@@ -242,6 +242,16 @@ def launch_config(B: int, Hv: int, V: int, device, block_v=None, v_split=None) -
     return BV, NV
 
 
+def block_rows(max_nodes: int, K: int, lowp: bool, block_r=None) -> tuple[int, bool]:
+    """(BR, blocked) for trees of up to ``max_nodes`` nodes: one block of that size rounded up to a power of two
+    (>= 16) up to ``MAX_BLOCK_R`` rows (``MAX_BLOCK_R_LOWP`` with bf16 operands or K > 128), else blocks of 32
+    (or ``block_r``); blocked when the tree needs more than one."""
+    BT = max(16, triton.next_power_of_2(max_nodes))
+    one_block = MAX_BLOCK_R_LOWP if lowp or K > 128 else MAX_BLOCK_R
+    BR = min(BT, block_r) if block_r else (BT if BT <= one_block else 32)
+    return BR, BT > BR
+
+
 def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pending=None, pending_idx=None, out=None,
              *, block_r=None, block_v=None, v_split=None, num_warps=None, lowp=None, inv_lowp=None, launches=None):
     """Launch ``gdn_step_kernel``; arguments as ``vllm_bole.gdn.gdn_tree_step``. ``tree=None``: the commit alone;
@@ -273,10 +283,7 @@ def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pen
         lowp = v.element_size() == 2
     BR, multi, MW, T, steps, dscr = 16, False, 1, 0, 0, state
     if tree is not None:
-        BT = max(16, triton.next_power_of_2(tree.max_nodes))
-        one_block = MAX_BLOCK_R_LOWP if lowp or K > 128 else MAX_BLOCK_R
-        BR = min(BT, block_r) if block_r else (BT if BT <= one_block else 32)
-        multi = BT > BR
+        BR, multi = block_rows(tree.max_nodes, K, lowp, block_r)
     if tree is not None and pending is not None and (launches or (2 if multi else 1)) == 2:
         gdn_step(None, None, None, None, None, None, state, state_idx, scale, use_qk_l2norm, pending, pending_idx,
                  block_v=BV, v_split=NV, num_warps=num_warps)

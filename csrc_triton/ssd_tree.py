@@ -69,6 +69,12 @@ def _block_G(dt, anc_mask, bos, n, rows, row_ok, nblk, h, A_h, bias_h, lo, hi, H
 
 
 @triton.jit
+def _group_rows(ptr, rows, row_ok, g, G: tl.constexpr, N: tl.constexpr, o_n, nm):
+    """Rows ``rows`` of a [*, G, N] tensor (B or C) for group g: [len(rows), BN], 0 where masked."""
+    return tl.load(ptr + (rows[:, None] * G + g) * N + o_n[None, :], mask=row_ok[:, None] & nm[None, :], other=0.0)
+
+
+@triton.jit
 def ssd_cb_kernel(Bm, Cm, cb, cu_nodes, npair, G: tl.constexpr, N: tl.constexpr, BR: tl.constexpr,
                   BN: tl.constexpr, LOWP: tl.constexpr, EMUL: tl.constexpr):
     """The group's C_i B_j^T tiles of a blocked tree, once per (request, group) instead of once per head:
@@ -85,14 +91,13 @@ def ssd_cb_kernel(Bm, Cm, cb, cu_nodes, npair, G: tl.constexpr, N: tl.constexpr,
         ri = ib * BR + o_r
         mi = ri < n
         rows_i = (bos + ri).to(tl.int64)
-        C_i = tl.load(Cm + (rows_i[:, None] * G + g) * N + o_n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+        C_i = _group_rows(Cm, rows_i, mi, g, G, N, o_n, nm)
         base = cb + (pid.to(tl.int64) * npair + ib * (ib + 1) // 2) * BR * BR + o_r[:, None] * BR + o_r[None, :]
         for jb in range(0, ib + 1):
             rj = jb * BR + o_r
-            mj = rj < n
-            rows_j = (bos + rj).to(tl.int64)
-            B_j = tl.load(Bm + (rows_j[:, None] * G + g) * N + o_n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
-            tl.store(base + jb * BR * BR, mm(C_i, tl.trans(B_j), LOWP, EMUL))
+            tile = _cb_tile(Bm, C_i, cb, (bos + rj).to(tl.int64), rj < n, ib, jb, g, o_n, nm, G, N, BR, False, LOWP,
+                            EMUL)
+            tl.store(base + jb * BR * BR, tile)
 
 
 @triton.jit
@@ -102,8 +107,7 @@ def _cb_tile(Bm, C_i, cb_base, rows_j, mj, ib, jb, g, o_n, nm, G: tl.constexpr, 
     if HAS_CB:
         o_r = tl.arange(0, BR)
         return tl.load(cb_base + (ib * (ib + 1) // 2 + jb) * BR * BR + o_r[:, None] * BR + o_r[None, :])
-    B_j = tl.load(Bm + (rows_j[:, None] * G + g) * N + o_n[None, :], mask=mj[:, None] & nm[None, :], other=0.0)
-    return mm(C_i, tl.trans(B_j), LOWP, EMUL)
+    return mm(C_i, tl.trans(_group_rows(Bm, rows_j, mj, g, G, N, o_n, nm)), LOWP, EMUL)
 
 
 @triton.jit
@@ -120,7 +124,7 @@ def _verify_block(
     mi = ri < n
     rows_i = (bos + ri).to(tl.int64)
     G_i = _block_G(dt, anc_mask, bos, n, rows_i, mi, ib + 1, h, A_h, bias_h, lo, hi, H, BR, MW, HAS_DT_BIAS, DT_SOFTPLUS)
-    C_i = tl.load(Cm + (rows_i[:, None] * G + g) * N + o_n[None, :], mask=mi[:, None] & nm[None, :], other=0.0)
+    C_i = _group_rows(Cm, rows_i, mi, g, G, N, o_n, nm)
     out = tl.exp(G_i)[:, None] * mm(C_i, tl.trans(S), LOWP, EMUL)
     if MULTI:
         for jb in range(0, ib):
@@ -196,7 +200,7 @@ def ssd_tree_step_kernel(
                 Gm = tl.sum(tl.where(o_j == tl.minimum(m, c0 + CP) - 1, Gp, 0.0), axis=0)
                 w = tl.where(jm, tl.exp(Gm - Gp) * dtp, 0.0)
                 Xp = tl.load(px + (prow[:, None] * H + h) * P + o_p[None, :], mask=jm[:, None] & pmask[None, :], other=0.0)
-                Bp = tl.load(pB + (prow[:, None] * G + g) * N + o_n[None, :], mask=jm[:, None] & nm[None, :], other=0.0)
+                Bp = _group_rows(pB, prow, jm, g, G, N, o_n, nm)
                 S = tl.exp(Gm) * S + tl.dot(tl.trans(Xp.to(tl.float32) * w[:, None]), Bp.to(tl.float32))
             if EVEN:
                 tl.store(s_ptr, S.to(state.dtype.element_ty))
@@ -240,7 +244,7 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
     before the step, instead of each of the group's H / G heads computing them (a [BR, N] x [N, BR]
     product per block pair and head: at BR = 32, d_state 128, 64 nodes about a third of the
     verification's multiply-adds, 44% at 128 nodes; its times tracked them in that probe: two blocks of
-    32 and four of 16 within 6%). Chosen from that count, not yet timed (the probe's ``cb`` rows); one
+    32 and four of 16 within 6%). Chosen from that count, not yet timed (the probe's ``default_cb1`` / ``default_cb0``); one
     launch more, and [B, G, NB (NB + 1) / 2, BR, BR] fp32 of tiles (NB row blocks; 3 MB at B = 32, G =
     8, 64 nodes), read from L2 by the group's heads.
     """
@@ -255,7 +259,7 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
     A = f32(A)
     if lowp is None:
         lowp = tree is not None and x.element_size() == 2
-    BR, multi, gscr, cb, npair = 16, False, state, state, 0
+    BR, multi, gscr, cb, npair, has_cb = 16, False, state, state, 0, False
     if tree is not None:
         x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))  # the kernel assumes dense rows (no copy if they are)
         G = B.shape[1]
@@ -265,8 +269,8 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
         multi = BT > BR
         if multi:
             gscr = torch.empty(n_pt, T, H, dtype=torch.float32, device=x.device)
-        shared_cb = multi if shared_cb is None else shared_cb
-        if shared_cb:
+        has_cb = multi if shared_cb is None else bool(shared_cb)
+        if has_cb:
             NB = triton.cdiv(BT, BR)
             npair = NB * (NB + 1) // 2
             cb = torch.empty(nB, G, npair, BR, BR, dtype=torch.float32, device=x.device)
@@ -296,8 +300,7 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
         state, state_idx, *state.stride(),
         *pend_args,
         H=H, G=G, P=P, N=N, BR=BR, BP=BP, BN=BN, CP=CP, MW=MW, MULTI=multi, EVEN=P % BP == 0 and BN == N,
-        HAS_CB=bool(tree is not None and shared_cb), HAS_TREE=tree is not None, HAS_PENDING=pending is not None,
-        HAS_D=D is not None,
+        HAS_CB=has_cb, HAS_TREE=tree is not None, HAS_PENDING=pending is not None, HAS_D=D is not None,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), LOWP=bool(lowp), BF16_EMUL=INTERPRET,
         num_warps=num_warps or (8 if multi and BN > 128 else 4), num_stages=num_stages,
     )

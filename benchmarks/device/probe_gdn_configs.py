@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 CHILD = r"""
 import json, sys, torch, triton
 sys.path.insert(0, '.')
-from csrc_triton.gdn_tree import gdn_step, launch_config, v_splits
+from csrc_triton.gdn_tree import block_rows, gdn_step, launch_config, v_splits
 from vllm_bole.gdn import PendingPath
 from vllm_bole.testing.oracles import gdn_tree_reference, random_tree_batch
 B, N = int(sys.argv[1]), int(sys.argv[2])
@@ -49,7 +49,7 @@ def step(launches, **cfg):
     return run
 
 default_bv, default_nv = launch_config(B, Hv, V, state.device)
-default_launches = 2 if N > 32 else 1  # bf16 trees of more than 32 nodes are blocked: commit and verification apart
+default_launches = 2 if block_rows(N, K, True)[1] else 1  # blocked trees: commit and verification apart
 configs = []  # (launches, block_v, v_split, warps): two launches at 4 warps only
 for bv in (32, 64):
     for nv in sorted({1, v_splits(B * Hv, V // bv, state.device), V // bv}):

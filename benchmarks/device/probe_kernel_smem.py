@@ -52,9 +52,7 @@ def gdn_cases():
     for dt in ("fp32", "bf16"):
         for K, V in ((64, 64), (128, 128), (256, 256), (128, 96)):
             for BT in (64, 128, 256):
-                one = G.MAX_BLOCK_R_LOWP if dt == "bf16" or K > 128 else G.MAX_BLOCK_R  # as gdn_step
-                BR = BT if BT <= one else 32
-                multi = BT > BR
+                BR, multi = G.block_rows(BT, K, dt == "bf16")
                 for BV in sorted({G._pow2_divisor(V, bv) for bv in G.BLOCK_V}):
                     for NV in sorted({1, V // BV}):
                         sig = dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", g="*fp32", beta="*fp32", o=f"*{dt}",
