@@ -420,6 +420,21 @@ def test_steps_with_prompt_rows_are_not_learnt(monkeypatch):
     assert sb.ctl.rest.line(4) == (pytest.approx(0.008), 0.0)  # the mixed step's interval is no sample of the rest
 
 
+def test_drafting_that_caught_up_is_not_learnt():
+    """A drafting that also took in a new prompt's or a plain step's tokens (``catching_up``) is no sample of the
+    drafting line, nor of ``draft_samples``; it still counts as the step's own drafting (not its rest)."""
+    import vllm_bole.adapter.budget as budget
+
+    sb = budget.StepBudget(config=None)
+    sb.ctl = BudgetController(StepCostModel(roofline()), eps=None)
+    sb.last = {}
+    for seconds, catching_up in ((0.003, False), (0.009, True), (0.003, False)):
+        sb.chosen(_choice(24))
+        sb.drafted(seconds, catching_up=catching_up)
+        assert sb.last["draft_s"] == seconds and sb.drafting is None
+    assert sb.ctl.draft.line(4) == (pytest.approx(0.003), 0.0) and len(sb.drafts) == 2
+
+
 def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
     """``StepBudget``: the rest of a steady tree step = its whole interval (one step's start to the next)
     minus its forward (start to sampled tokens) minus its own drafting; both at the step's chosen bucket,

@@ -1135,8 +1135,8 @@ class TreeRunnerMixin:
             self._bole_stats["plain_drafts"] += 1
             self._bole_stats["plain_draft_s"] += dt
         self._bole_metrics.observe("vllm:bole_draft_seconds", dt)
-        if budget is not None:
-            budget.drafted(dt)
+        if budget is not None:  # after prompt rows or a plain step the drafting caught up on their tokens too
+            budget.drafted(dt, catching_up=self._bole_step_kind not in ("trees", "catchup"))
         pool = getattr(self._bole_drafter, "pool", None)
         if pool is not None:
             self._bole_metrics.set("vllm:bole_draft_evictions", pool.evictions)
