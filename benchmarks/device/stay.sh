@@ -542,8 +542,13 @@ stage_gdnkernel() {  # issue 14: the one-launch GDN step (commit + verification,
     # kernel over the envelope (kernel_envelope.json); bare torch, no vLLM, ~4-6 min with the compilations
     timeout 290 python3 benchmarks/device/probe_gdn_configs.py ${GDN_PROBE_BATCHES:+--batches $GDN_PROBE_BATCHES} \
         > "$OUT/gdn_probe_configs.log" 2>&1
+    grep -v "^{" "$OUT/gdn_probe_configs.log" | tail -3 | cut -c1-200
+    stage_envelope
+}
+
+stage_envelope() {  # every tree kernel over the envelope against its float64 reference (kernel_envelope.json), ~4 min
     timeout 280 python3 benchmarks/device/check_kernels_envelope.py > "$OUT/kernel_envelope.log" 2>&1
-    grep -v "^{" "$OUT/gdn_probe_configs.log" | tail -3 | cut -c1-200; tail -n 3 "$OUT/kernel_envelope.log" | cut -c1-200
+    tail -n 3 "$OUT/kernel_envelope.log" | cut -c1-200
 }
 
 stage_gdnbench() {  # issue 14: GDN's step against serial, per-node and the floor (gdn_tree.json, its keys unchanged;
