@@ -68,6 +68,18 @@ def test_buckets_are_independent():
     assert sorted(sw.buckets) == [1, 32]
 
 
+def test_a_larger_bucket_skips_its_first_plain_probe_when_smaller_ones_bound_it():
+    """A plain step of more requests is no faster: when a new bucket's trees beat every smaller bucket's plain
+    rate, its first probe of plain decoding waits ``explore_every`` steps; when they do not, it comes at once."""
+    sw = SpeculationSwitch(probe=3, explore_every=32)
+    drive(sw, {True: 2.0, False: 1.0}, 40, batch=4)  # bucket 4: plain 1.0
+    ran, _, _ = drive(sw, {True: 1.5, False: 0.8}, 40, batch=16, first_kind=True)
+    assert ran.index(False) == 1 + 32 and sum(not k for k in ran) == 3, ran  # explore_every steps after the first
+    ran, _, _ = drive(sw, {True: 0.7, False: 0.5}, 12, batch=64, first_kind=True)  # bound: 0.8 (bucket 16)
+    assert ran[:8] == [True] * 4 + [False] * 3 + [True], ran  # trees below the bound: plain probed at once
+    assert sw.best(64) is True
+
+
 def test_outliers_and_untimed_steps_do_not_move_the_estimate():
     """Mean tokens over the last ``yields`` decode steps, over the median of the last ``window`` steady
     steps' seconds: a step that compiled kernels (1000x slower) changes nothing; untimed steps (the

@@ -162,7 +162,7 @@ class NodeTimes:
         """(a, b) seconds of the batch's bucket."""
         if not self.means:
             return 0.0, 0.0
-        k = math.log2(_batch_bucket(batch))
+        k = math.log2(batch_bucket(batch))
         n, nn, t, nt = self.means[min(self.means, key=lambda s: abs(math.log2(s) - k))]
         var = nn - n * n
         b = max((nt - n * t) / var, 0.0) if var > 1e-6 * max(n * n, 1.0) else 0.0
@@ -178,12 +178,13 @@ class NodeTimes:
         ref = float(self.at(batch, nodes))
         sample = min(sample, self.clip * ref) if ref > 0 else sample
         x = np.array([nodes, nodes * nodes, sample, nodes * sample], dtype=np.float64)
-        k = _batch_bucket(batch)
+        k = batch_bucket(batch)
         old = self.means.get(k)
         self.means[k] = x if old is None else (1 - self.alpha) * old + self.alpha * x
 
 
-def _batch_bucket(batch: int) -> int:
+def batch_bucket(batch: int) -> int:
+    """Requests rounded up to a power of two (the buckets of :class:`NodeTimes` and of the speculation switch)."""
     return 1 << max(int(batch) - 1, 0).bit_length()
 
 

@@ -21,7 +21,12 @@ both modes, as the user sees them, and keeps the faster one:
   ``explore_every`` steps ``probe`` steps of the other one (its estimate follows acceptance and context
   lengths as they change): the slower mode takes at most ``probe / explore_every`` of the steps; while
   the slower mode's estimate is within two standard errors of the faster one's, its probes come every
-  ``4 * probe`` steps instead (an unlucky first probe of trees is corrected within a few probes).
+  ``4 * probe`` steps instead (an unlucky first probe of trees is corrected within a few probes);
+* a bucket's first probe of plain decoding waits ``explore_every`` steps when its trees, less two standard
+  errors, already beat every smaller bucket's plain rate: a plain step of more requests is no faster, so
+  that rate bounds this bucket's. Seen on the H100 at fbec640 (the 70M pair, MT-Bench, ``budget: "auto"``):
+  at c = 32 the batch passed through buckets 16 and 32 for the first time and 29 of 113 steps decoded
+  plainly, each at ~0.8x a tree step's rate, where trees ran at 1.15-1.6x the smaller buckets' plain rates.
 
 Why tokens and seconds apart, over windows of different lengths: a tree step emits 1 to 9 tokens per
 request while its duration varies by a few percent, and the switch stops running trees exactly when
@@ -79,6 +84,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from vllm_bole.spec_decode.controller import batch_bucket
+
 __all__ = ["SpeculationSwitch"]
 
 
@@ -132,7 +139,7 @@ class SpeculationSwitch:
             raise ValueError(f"prior_weight: must be > 0 (got {self.prior_weight})")
 
     def _bucket(self, batch: int) -> _Bucket:
-        key = 1 << max(int(batch) - 1, 0).bit_length()
+        key = batch_bucket(batch)
         if key not in self.buckets:
             self.buckets[key] = _Bucket({m: collections.deque(maxlen=self.yields) for m in (True, False)},
                                         {m: collections.deque(maxlen=self.window) for m in (True, False)},
@@ -147,6 +154,8 @@ class SpeculationSwitch:
         if b.left == 0:
             unseen = [m for m in (True, False) if not (b.seconds[m] and b.yields[m])]
             rate = self._rates(b, keys)
+            if unseen == [False] and rate[True] * (1 - 2 * self._tree_error(b, keys)) > self._plain_bound(batch):
+                unseen = []  # plain decoding is probed after ``explore_every`` steps (:meth:`_interval`)
             best = _faster(rate)
             run = self._run(b, best, rate, keys)
             since = b.steps - b.last_probe
@@ -162,6 +171,12 @@ class SpeculationSwitch:
                 b.left = 1
         b.left -= 1
         return b.mode
+
+    def _plain_bound(self, batch: int) -> float:
+        """The lowest plain rate of the buckets below ``batch``'s (``inf``: none measured): a bound of its own."""
+        key = batch_bucket(batch)
+        return min((self._rates(o, None).get(False, math.inf) for k, o in self.buckets.items() if k < key),
+                   default=math.inf)
 
     def _interval(self, b: _Bucket, slower: bool, rate: dict, keys) -> int:
         """Steps until the probe after this one of the ``slower`` mode (the one not run): for trees while their
