@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
 # THE NEXT STAY, run by run (each within 30 s of the last; BOLE_COMMIT=<full sha of HEAD>: a run's own `git`
 # sees an older commit; the history and its reasons follow below). The bundle is FIVE parts of 43 MB and the
-# trained pair of 992f2cd is home (.pair/weights, 8 pieces: no training):
-#   0   GDN_PROBE_BATCHES="32 1 128" gdnkernel (no carry, bare torch; it starts the machine; ~6 min): the GDN fix
-#       of 7d976ff (bf16 trees of 33-64 nodes as two 32-row blocks; the 64-row bf16 block faulted at fbec640):
-#       `kernel_envelope.json` must be 161/161, `gdn_probe_configs.json` times B = 32, N = 64 at last (its
-#       `default` rows are the launcher's choice since 7d976ff)
-#   1-4 carry .vllm-gpu/p00 (then p01, p02, p03)                                        parts
+# trained pair of 992f2cd is home (.pair/weights, 8 pieces: no training). With less than ~1500 s of device time
+# (refusals cost 15-90 s each) the short plan: the parts, `install unpack envelope`, the matrix, then `gdnbench`.
+#   1-4 carry .vllm-gpu/p00 (then p01, p02, p03)                                        parts  (run 1 starts it)
 #   5   carry .pair/weights/pair.sha256 .pair/weights/pair.txz.00 .pair/weights/pair.txz.01 .pair/weights/pair.txz.02  parts
 #   6   carry .pair/weights/pair.txz.03 .pair/weights/pair.txz.04 .pair/weights/pair.txz.05                     parts
 #   7   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                                   parts
 #   8   carry .pair/cache                                                                                    parts
 #   9   carry .pair/data                                                                                     parts
-#  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~70 s)
-#  11   gdnbench (~5 min: `gdn_tree.json` at the issue's shapes against the floor; its serial baseline through
+#  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                               install unpack envelope  (~70 + ~240 s)
+#       `envelope`: the GDN fix of 7d976ff (bf16 trees of 33-64 nodes as two 32-row blocks; the 64-row bf16 block
+#       faulted at fbec640): `kernel_envelope.json` must be 161/161
+#  11   PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model"
+#       matrix (~450 s): the controller after cc42cfb (drafting that caught up on prompts no sample of its line) and
+#       c8ea37c (no first plain probe where smaller buckets bound plain decoding): `controller.json` (vLLM's chain rows
+#       of fbec640 stay in the README)
+#  12   gdnbench (~5 min: `gdn_tree.json` at the issue's shapes against the floor; its serial baseline through
 #       vLLM's FLA copy fixed in 7d976ff)
-#  12   VLLM_BOLE_FLASH_PREFIX=1 MIXED="nemotron_h qwen3_next" MIXED_SECONDS=400 mixed  (issue 14 item 4 inside the
-#       engine: the prefix from vLLM's FlashAttention, 1.25x the floor in tree_attention.json at fbec640; identity
-#       with it, then make it the default); also the GDN fix inside Qwen3-Next
-#  13   kernelspeed (~6 min: SSD at the issue's shapes; its probe times the shared C B^T tiles of 09e0763,
-#       `default_cb1` against `default_cb0` in `mamba2_tree_quick.json`'s `probe`; run 0's envelope checks them)
-#  then, as time allows: TRAIN_MODELS="block mtp" train (the heads, issue 16; at home its train_pair.json becomes
-#  train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees; `kernels` (Mamba1
-#  path_groups, issue 19); treegraphs; the matrix only after a controller change (fbec640: 0.84-0.97x the best
-#  fixed budget).
+#  then, as time allows: GDN_PROBE_BATCHES="32 1 128" gdnkernel (its probe times B = 32, N = 64);
+#  VLLM_BOLE_FLASH_PREFIX=1 MIXED="nemotron_h qwen3_next" MIXED_SECONDS=400 mixed (issue 14 item 4 inside the engine:
+#  identity with the FlashAttention prefix, then make it the default); kernelspeed (SSD's shared C B^T tiles of
+#  09e0763, `default_cb1` against `default_cb0`); TRAIN_MODELS="block mtp" train (heads, issue 16; at home its
+#  train_pair.json becomes train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees;
+#  `kernels` (Mamba1 path_groups, issue 19); treegraphs.
 # 2026-12-06 (28th session, fbec640): three refused starts (~270 s), an H100 whose start took ~300 s: gdnkernel
 # with GDN_PROBE_BATCHES="32 1" (349 s: the one-launch GDN step failed at 64-node bf16 trees), parts x9 (~25 s),
 # `install unpack` (66 s), the matrix (449 s), MIXED=qwen3_next `mixed` (80 s: passed), check_sampled_verify.py
