@@ -164,14 +164,21 @@ class _Fixed:
         return self.cands
 
 
-def test_draft_trees_cut_to_the_chosen_budgets():
+@pytest.mark.parametrize("ties", [False, True])
+def test_draft_trees_cut_to_the_chosen_budgets(ties):
+    """The trees cut by the choice's ``keep`` mask are the best-first trees of its budgets (``ties``: equal
+    draft probabilities, so equal scores among a request's nodes, and 2 nodes a request forced (``min_per_request``)
+    where the cost allows none: 2 of 3 tied first-level nodes, both keep the lower slots)."""
     g = torch.Generator().manual_seed(3)
     B, D, K = 5, 4, 3
     cands = random_candidates(g, B, D, K, empty=(2,))
+    if ties:
+        cands = Candidates(cands.tokens, torch.where(cands.tokens >= 0, 0.25, 0.0))
     roots = list(range(B))
-    ctl = BudgetController(StepCostModel(roofline(params_active=2e11)), eps=None)
+    ctl = BudgetController(StepCostModel(roofline(params_active=2e11)), eps=None, min_per_request=2 * ties)
     tree, ch = draft_trees(_Fixed(cands), roots, [[1]] * B, [D] * B, 12, max_depth=D, controller=ctl,
                            kv_lens=[10] * B)
+    assert not ties or ch.budgets.tolist() == [2, 2, 0, 2, 2]
     want = best_first_tree(roots, cands, ch.budgets, max_depth=D)
     assert torch.equal(tree.token_ids, want.token_ids) and torch.equal(tree.parent, want.parent)
     assert (tree.cu_nodes.diff() == ch.budgets + 1).all() and ch.budgets[2] == 0

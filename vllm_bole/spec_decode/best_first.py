@@ -76,16 +76,22 @@ class Slots:
     nid: torch.Tensor  # [B, S] int64 node id, unique within a request for the whole search (root 0)
     kind: torch.Tensor  # [B, S] int64 calibration kind (``calibration.KINDS``: main, branch, off)
 
-    def tree(self, budget=None) -> TreeBatch:
+    def tree(self, budget=None, *, keep=None) -> TreeBatch:
         """The kept nodes as a :class:`TreeBatch` on the slots' device, built directly from the
         search state (valid slots form breadth-first prefixes; depths and parents known). ``budget``
         (int or ``[B]``): each request's ``budget`` best draft nodes by (``logrho`` desc, slot asc)
         only, the root kept: prefix-closed (``rho`` never increases along a path and a parent precedes
         its children), so the best-first tree of that budget over the same expansions (what the budget
-        controller cuts the trees to; one pass, without an intermediate :class:`Slots`)."""
+        controller cuts the trees to; one pass, without an intermediate :class:`Slots`). ``keep``
+        (``[B, S]`` bool on the host) instead: those slots, already ranked so
+        (:attr:`~vllm_bole.spec_decode.controller.Choice.keep`)."""
         v = _np(self.valid)
         if budget is not None:
             v = _select(_np(self.logrho), v, _np(budgets(budget, v.shape[0], "cpu")) + 1, None)
+        elif keep is not None and not np.array_equal(keep := _np(keep), v):
+            v = keep
+        else:
+            budget = keep = None  # every slot: no parents to renumber
         counts = v.sum(1)
         cu = np.zeros(counts.size + 1, np.int64)
         cu[1:] = np.cumsum(counts)
@@ -94,7 +100,7 @@ class Slots:
         parent, depth = field("parent"), field("depth")
         T = parent.size
         req = np.repeat(np.arange(counts.size), counts)
-        if budget is not None:  # the parents' slots -> their places among the kept slots
+        if budget is not None or keep is not None:  # the parents' slots -> their places among the kept slots
             newpos = v.cumsum(1) - 1
             parent = np.where(parent >= 0, newpos[req, np.maximum(parent, 0)], -1)
         local = np.arange(T, dtype=np.int32) - cu[:-1][req].astype(np.int32)

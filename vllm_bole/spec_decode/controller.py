@@ -199,6 +199,9 @@ class Choice:
     # draft nodes the search reached for: B x the per-request search budget (:meth:`BudgetController.search_budget`;
     # not the trees' width: the paged draft's step searches in slots of the full cap whatever the budget)
     searched: int
+    # [B, S] bool on the host: the slots the budgets keep (roots included; each request's best ``budgets[b]`` draft
+    # slots by (rho desc, slot asc)): ``Slots.tree(keep=...)`` cuts the trees without ranking them again
+    keep: torch.Tensor | None = None
 
 
 class BudgetController:
@@ -243,9 +246,12 @@ class BudgetController:
         kv = np.asarray(kv_lens, dtype=np.float64).reshape(-1)
         if kv.size != B:
             raise ValueError(f"kv_lens: {kv.size} lengths for {B} requests")
-        lr = np.where(_host(valid), _host(logrho).astype(np.float64), -math.inf)[:, 1:]  # the trees may be on the GPU
-        # each request's draft nodes by score; the first ``min`` are taken first, then the batch by score
-        key = np.sort(lr, axis=1)[:, ::-1]
+        ok = _host(valid)
+        lr = np.where(ok, _host(logrho).astype(np.float64), -math.inf)[:, 1:]  # the trees may be on the GPU
+        # each request's draft nodes by score (ties: slot order, as ``Slots.tree``'s cut); the first ``min`` are
+        # taken first, then the batch by score
+        order = np.argsort(-lr, axis=1, kind="stable")
+        key = np.take_along_axis(lr, order, axis=1)
         flat = np.flatnonzero(key > -math.inf)  # row-major: (request, rank) ascending
         k_score = key.reshape(-1)[flat]
         k_req, k_rank = np.divmod(flat, key.shape[1])
@@ -281,9 +287,12 @@ class BudgetController:
             best = int(smaller[-1]) if smaller.size else best
         budgets = np.bincount(node_req[:best], minlength=B).astype(np.int64)
         self.reach = int(budgets.max()) if B else 0
+        keep = np.empty(ok.shape, dtype=bool)
+        keep[:, 0] = ok[:, 0]
+        np.put_along_axis(keep[:, 1:], order, np.arange(lr.shape[1]) < budgets[:, None], axis=1)
         return Choice(budgets=torch.from_numpy(budgets), total=best, bucket=int(bucket[best]),
                       predicted_s=float(cost[best]), prior_s=float(prior[best]), expected_tokens=float(expected[best]),
-                      searched=B * (self.searching or lr.shape[1]))
+                      searched=B * (self.searching or lr.shape[1]), keep=torch.from_numpy(keep))
 
 
 def bounded_search(reach, cap):

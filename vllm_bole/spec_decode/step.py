@@ -58,7 +58,7 @@ def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequenc
     ``grow_trees_async`` only): tokens after the histories that the host has not read yet."""
     opts = dict(max_depth=max_depth, top_k=top_k, calibration=calibration)
     t0 = time.perf_counter()
-    # with a controller: one search at ``budget``, cut to the chosen budgets (``Slots.tree(budget)``: the
+    # with a controller: one search at ``budget``, cut to the chosen budgets (``Slots.tree(keep=...)``: the
     # best-first trees of those budgets over the same expansions)
     if hasattr(drafter, "grow_trees_async"):
         launched = drafter.grow_trees_async(roots, histories, depths, budget, keys=keys, pending=pending, **opts)
@@ -90,7 +90,7 @@ def _finish(pending: Callable, controller: BudgetController | None, kv_lens, tim
         if controller is None:
             return full.tree(), None
         choice = controller.choose(full.logrho, full.valid, kv_lens)
-        return full.tree(choice.budgets), choice
+        return full.tree(keep=choice.keep), choice
 
     return finish
 
