@@ -46,12 +46,11 @@ launcher keeps every operand tile at most [64, 128] fp32 (BR = 32 when K = 256).
 API and dispatch: ``vllm_bole.gdn``; plain-torch twin: ``vllm_bole/gdn/naive.py``; float64
 reference: ``vllm_bole/gdn/reference.py``; the accepted-path stash: ``csrc_triton.pending_stash``.
 """
-import functools
 
 import triton
 import triton.language as tl
 
-from csrc_triton.tiles import INTERPRET, anc_tile, mm, program_head, squarings, unit_lower_inverse
+from csrc_triton.tiles import INTERPRET, anc_tile, mm, num_sms, program_head, squarings, unit_lower_inverse
 
 MAX_BLOCK_R = 64  # node rows per block in fp32 (trees of up to this many nodes run as one block)
 MAX_BLOCK_R_LOWP = 32  # ... and with bf16 operands: a 64-row bf16 block faults on the GPU (see gdn_step)
@@ -210,13 +209,6 @@ def _pow2_divisor(x: int, cap: int) -> int:
     return d
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def v_splits(programs: int, tiles: int, device) -> int:
     """Programs per (request, head) by default: the fewest (a power of two dividing ``tiles``) that put two
     programs on every SM, at most one per tile; one on CPU. Fewer programs compute the V-independent factors
@@ -224,7 +216,7 @@ def v_splits(programs: int, tiles: int, device) -> int:
     if device.type != "cuda":
         return 1
     nv = 1
-    while nv < tiles and programs * nv < 2 * _sm_count(device) and tiles % (2 * nv) == 0:
+    while nv < tiles and programs * nv < 2 * num_sms(device) and tiles % (2 * nv) == 0:
         nv *= 2
     return nv
 

@@ -39,7 +39,7 @@ most [64, 128] fp32 (BP = BR = 32 when d_state = 256). API and dispatch:
 import triton
 import triton.language as tl
 
-from csrc_triton.tiles import INTERPRET, anc_tile, mm, program_head
+from csrc_triton.tiles import INTERPRET, anc_tile, mm, num_sms, program_head
 
 
 @triton.jit
@@ -240,13 +240,15 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
     (H100, ff6ad01, ``mamba2_tree_quick.json``: B = 32, 64-node trees, Nemotron-H-8B and its TP-2
     shard): two blocks of 32 rows with 4 warps took 0.32 / 0.17 ms, one block of 64 with 4 warps 0.36 /
     0.19, two of 32 with 8 warps 0.43 / 0.22; BP = 32 slower in every case. Larger trees were not probed.
-    ``shared_cb`` (default: blocked trees): the group's C B^T tiles from one ``ssd_cb_kernel`` launch
-    before the step, instead of each of the group's H / G heads computing them (a [BR, N] x [N, BR]
-    product per block pair and head: at BR = 32, d_state 128, 64 nodes about a third of the
-    verification's multiply-adds, 44% at 128 nodes; its times tracked them in that probe: two blocks of
-    32 and four of 16 within 6%). Chosen from that count, not yet timed (the probe's ``default_cb1`` / ``default_cb0``); one
-    launch more, and [B, G, NB (NB + 1) / 2, BR, BR] fp32 of tiles (NB row blocks; 3 MB at B = 32, G =
-    8, 64 nodes), read from L2 by the group's heads.
+    ``shared_cb`` (default: blocked trees whose (request, head, P tile) grid is more than one wave, i.e. exceeds
+    the GPU's SMs): the group's C B^T tiles from one ``ssd_cb_kernel`` launch before the step, instead of each
+    of the group's H / G heads computing them (a [BR, N] x [N, BR] product per block pair and head: at BR = 32,
+    d_state 128, 64 nodes about a third of the verification's multiply-adds, 44% at 128 nodes); one launch
+    more, and [B, G, NB (NB + 1) / 2, BR, BR] fp32 of tiles (NB row blocks; 3 MB at B = 32, G = 8, 64 nodes),
+    read from L2 by the group's heads. Timed on the H200 at 897331f (``mamba2_tree_quick.json``'s probe,
+    Nemotron-H-8B, 64 nodes): B = 32 0.243 ms shared against 0.285 (its TP-2 shard 0.132 against 0.148); B = 1 (128
+    programs, one wave) 0.0190 against 0.0165: within one wave the programs run side by side and the extra
+    launch is the cost.
     """
     import torch
 
@@ -269,7 +271,7 @@ def ssd_tree_step(x, dt, A, B, C, tree, state, state_idx, pending, D, dt_bias, d
         multi = BT > BR
         if multi:
             gscr = torch.empty(n_pt, T, H, dtype=torch.float32, device=x.device)
-        has_cb = multi if shared_cb is None else bool(shared_cb)
+        has_cb = multi and nB * H * n_pt > num_sms(x.device) if shared_cb is None else bool(shared_cb)
         if has_cb:
             NB = triton.cdiv(BT, BR)
             npair = NB * (NB + 1) // 2

@@ -9,13 +9,25 @@
 * ``unit_lower_inverse`` / ``squarings``: (I + A)^{-1} of a strictly lower nilpotent tile.
 * ``program_head``: the (request, head, shared head, state slot) of a program of the
   (request x head) grid axis.
+* ``num_sms`` (host): the device's streaming multiprocessors, the launchers' measure of a grid that fills it.
 """
+import functools
 import os
 
 import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (a ``torch.device``; 1 off CUDA)."""
+    if device.type != "cuda":
+        return 1
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

@@ -32,13 +32,13 @@ Tree attention kernel (``_tree_attn_fwd``), flash-decoding style:
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from csrc_triton.tiles import INTERPRET, num_sms
+
 _LOG2E = 1.4426950408889634
 
 
@@ -333,18 +333,12 @@ SPLIT_ALIGN = 128
 MIN_SPLIT_KEYS = 256  # 512 left a one-query draft step at 17 us a call over 600 keys (H200, 345ea0b)
 
 
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, max_nodes: int, g_pad: int, max_kv_len: int, device) -> int:
     """Split the key range when the (request, kv head, query block) grid cannot fill the GPU."""
     if device.type != "cuda":
         return 1
     base = batch * num_kv_heads * triton.cdiv(max_nodes * g_pad, 64)
-    want = triton.cdiv(_num_sms(device), base)
+    want = triton.cdiv(num_sms(device), base)
     return max(1, min(want, max_kv_len // MIN_SPLIT_KEYS))
 
 
