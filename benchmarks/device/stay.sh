@@ -9,21 +9,23 @@
 #   7   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                                   parts
 #   8   carry .pair/cache                                                                                    parts
 #   9   carry .pair/data                                                                                     parts
-#  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                               install unpack envelope  (~70 + ~240 s)
-#       `envelope`: the GDN fix of 7d976ff (bf16 trees of 33-64 nodes as two 32-row blocks; the 64-row bf16 block
-#       faulted at fbec640): `kernel_envelope.json` must be 161/161
+#  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~70 s)
 #  11   PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model"
-#       matrix (~450 s): the controller after cc42cfb (drafting that caught up on prompts no sample of its line) and
-#       c8ea37c (no first plain probe where smaller buckets bound plain decoding): `controller.json` (vLLM's chain rows
-#       of fbec640 stay in the README)
+#       matrix (~450 s): the controller after cc42cfb (drafting that caught up on prompts no sample of its line),
+#       c8ea37c (no first plain probe where smaller buckets bound plain decoding) and 897331f (the trees cut by the
+#       choice's ranking): `controller.json` (vLLM's chain rows of fbec640 stay in the README)
 #  12   gdnbench (~5 min: `gdn_tree.json` at the issue's shapes against the floor; its serial baseline through
-#       vLLM's FLA copy fixed in 7d976ff)
-#  then, as time allows: GDN_PROBE_BATCHES="32 1 128" gdnkernel (its probe times B = 32, N = 64);
+#       vLLM's FLA copy fixed in 7d976ff; needs `install`)
+#  then, as time allows:
 #  VLLM_BOLE_FLASH_PREFIX=1 MIXED="nemotron_h qwen3_next" MIXED_SECONDS=400 mixed (issue 14 item 4 inside the engine:
 #  identity with the FlashAttention prefix, then make it the default); kernelspeed (SSD's shared C B^T tiles of
 #  09e0763, `default_cb1` against `default_cb0`); TRAIN_MODELS="block mtp" train (heads, issue 16; at home its
 #  train_pair.json becomes train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees;
 #  `kernels` (Mamba1 path_groups, issue 19); treegraphs.
+# 2026-12-06 (29th session, 897331f): a dozen refused or deferred calls (~810 s of budget), then an H200: bare torch
+# only, no bundle: GDN_PROBE_BATCHES="32 1" gdnkernel (416 s with the start: envelope 161/161), bench_mamba2_tree.py and
+# bench_tree_attention.py --quick (131 s), bench_gdn_tree.py --quick (no vLLM: failed at its serial baseline's
+# import), bench_mamba1_tree.py (133 s), host_micro.py (7 s); given back with 193 s left.
 # 2026-12-06 (28th session, fbec640): three refused starts (~270 s), an H100 whose start took ~300 s: gdnkernel
 # with GDN_PROBE_BATCHES="32 1" (349 s: the one-launch GDN step failed at 64-node bf16 trees), parts x9 (~25 s),
 # `install unpack` (66 s), the matrix (449 s), MIXED=qwen3_next `mixed` (80 s: passed), check_sampled_verify.py
