@@ -78,6 +78,10 @@ def test_a_larger_bucket_skips_its_first_plain_probe_when_smaller_ones_bound_it(
     ran, _, _ = drive(sw, {True: 0.7, False: 0.5}, 12, batch=64, first_kind=True)  # bound: 0.8 (bucket 16)
     assert ran[:8] == [True] * 4 + [False] * 3 + [True], ran  # trees below the bound: plain probed at once
     assert sw.best(64) is True
+    ran, _, _ = drive(sw, {True: 1.2, False: 0.4}, 10, batch=128, first_kind=True)  # bound: 0.5 (bucket 64)
+    assert all(ran), ran  # above the bound: no plain probe yet ...
+    ran, _, _ = drive(sw, {True: 0.3, False: 0.4}, 60, batch=128, first_kind=True)
+    assert not all(ran), ran  # ... until the trees' estimate (mean tokens) falls to it: checked at every decision
 
 
 def test_outliers_and_untimed_steps_do_not_move_the_estimate():

@@ -22,11 +22,15 @@ both modes, as the user sees them, and keeps the faster one:
   lengths as they change): the slower mode takes at most ``probe / explore_every`` of the steps; while
   the slower mode's estimate is within two standard errors of the faster one's, its probes come every
   ``4 * probe`` steps instead (an unlucky first probe of trees is corrected within a few probes);
-* a bucket's first probe of plain decoding waits ``explore_every`` steps when its trees, less two standard
-  errors, already beat every smaller bucket's plain rate: a plain step of more requests is no faster, so
-  that rate bounds this bucket's. Seen on the H100 at fbec640 (the 70M pair, MT-Bench, ``budget: "auto"``):
-  at c = 32 the batch passed through buckets 16 and 32 for the first time and 29 of 113 steps decoded
-  plainly, each at ~0.8x a tree step's rate, where trees ran at 1.15-1.6x the smaller buckets' plain rates.
+* a bucket's first probe of plain decoding waits ``explore_every`` steps while its trees, less one standard
+  error, beat every smaller bucket's plain rate: a plain step of more requests is no faster, so that rate
+  bounds this bucket's. Checked at every decision, so the probe comes as soon as the trees' estimate falls to
+  the bound (one standard error, not two: after the first probe of 4 tree steps the error is ~18%, and two
+  would skip nothing). Seen on the H100 at fbec640 (the 70M pair, MT-Bench, ``budget: "auto"``): at c = 8,
+  12 of 83 steps decoded plainly (each at ~0.6x a tree step's rate), mostly probes of buckets 4 and 8 met for
+  the first time, whose trees ran at 1.3x / 1.5x bucket 1's plain rate; at c = 32 (29 of 113 steps plain) the
+  bound is too loose to skip any: bucket 16's trees at 1.03x it, bucket 32's below it (plain steps of 32
+  requests ran at half the rate of 16's).
 
 Why tokens and seconds apart, over windows of different lengths: a tree step emits 1 to 9 tokens per
 request while its duration varies by a few percent, and the switch stops running trees exactly when
@@ -154,7 +158,7 @@ class SpeculationSwitch:
         if b.left == 0:
             unseen = [m for m in (True, False) if not (b.seconds[m] and b.yields[m])]
             rate = self._rates(b, keys)
-            if unseen == [False] and rate[True] * (1 - 2 * self._tree_error(b, keys)) > self._plain_bound(batch):
+            if unseen == [False] and rate[True] * (1 - self._tree_error(b, keys)) > self._plain_bound(batch):
                 unseen = []  # plain decoding is probed after ``explore_every`` steps (:meth:`_interval`)
             best = _faster(rate)
             run = self._run(b, best, rate, keys)
