@@ -62,7 +62,7 @@ class StepBudget:
         self.decided: bool | None = None  # the switch's choice for the next step (None: it made none)
         self.next_trees: tuple[int, int] | None = None  # (requests, draft nodes) of the trees drafted for the next step
         self.drafting: Choice | None = None  # the choice of those trees, until :meth:`drafted` samples its drafting
-        self.drafts = collections.deque(maxlen=64)  # the last drafting samples: [requests, searched, chosen, ms]
+        self.drafts = collections.deque(maxlen=64)  # the last drafting samples: [requests, search, chosen, ms]
         self.stats = dict(budget_steps=0, budget_nodes=0, budget_last=[], budget_buckets={}, observed_steps=0,
                           predicted_step_s=0.0, measured_step_s=0.0, plain_decode_steps=0)
 
@@ -109,8 +109,8 @@ class StepBudget:
     def model(self) -> dict:
         """What the controller has learnt: the forward's ratio to its prior per token bucket and, for the buckets
         not seen, its line [ms, per prior second] through them; drafting and the rest per batch bucket as [ms, ms
-        per draft node] (searched nodes for the drafting, chosen for the rest); the last drafting samples as
-        [requests, searched, chosen, ms]."""
+        per draft node] (the per-request search budget for the drafting, chosen nodes for the rest); the last
+        drafting samples as [requests, search budget, chosen nodes, ms]."""
         if self.ctl is None:
             return {}
         c = self.ctl
@@ -122,16 +122,16 @@ class StepBudget:
 
     def drafted(self, seconds: float, catching_up: bool = False) -> None:
         """The step under way drafted the next step's trees for ``seconds``: a sample of the controller's
-        drafting time at the nodes that search reached for (unless ``catching_up``: the drafter also took in
+        drafting time at the search budget its trees were drawn from (unless ``catching_up``: the drafter also took in
         tokens beyond one step's, a new prompt's or a plain step's, whatever the budget), and the part of this
         step's interval that is not its rest (:meth:`step_begun`). Catching up is no sample: on the H100 at fbec640
         (c = 32, MT-Bench) such draftings took 7-16 ms against 3.8-4.2 for trees alone, and as they came at the
-        full batch, the line through every sample rose 0.0127 ms a searched node (6.5 ms at 32 x 16 nodes), so the
-        controller chose 9 nodes a request where the fixed 16 gave 1.08x its tokens per second."""
+        full batch, the line (then in requests x search budget) rose 0.0127 ms a searched node (6.5 ms at 32 x 16
+        nodes), so the controller chose 9 nodes a request where the fixed 16 gave 1.08x its tokens per second."""
         c, self.drafting = self.drafting, None
         if self.ctl is not None and c is not None and not catching_up:
-            self.ctl.draft.observe(len(c.budgets), c.searched, seconds)
-            self.drafts.append([len(c.budgets), c.searched, c.total, round(1000 * seconds, 3)])
+            self.ctl.draft.observe(len(c.budgets), c.search, seconds)
+            self.drafts.append([len(c.budgets), c.search, c.total, round(1000 * seconds, 3)])
         if self.last is not None:
             self.last["draft_s"] = seconds
 

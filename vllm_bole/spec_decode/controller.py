@@ -15,23 +15,28 @@ requests' context lengths and its measured step times.
   ratio carried onto the prior's flops-bound buckets (above ~1200 tokens) made the forward of 16 nodes a
   request look 1.5-2x that of 3, where the fixed budgets' runs (8 and 16) measured their whole steps within 1.3x.
 * :class:`NodeTimes`: the step's time beside the forward, its drafting and its rest, each ``a + b * nodes``
-  per batch bucket (requests rounded up to a power of two), fitted online: the drafting in the nodes the
-  search reached for (requests x the per-request search budget), the rest in the step's chosen draft nodes.
+  per batch bucket (requests rounded up to a power of two), fitted online: the drafting in the per-request
+  search budget, the rest in the step's chosen draft nodes.
   The forward is flat within a CUDA-graph bucket, but drafting and the host's work grow with every node: on
   the H200 at ebdbbaa (c = 1, the 70M pair) 16 nodes a request took 1.3 ms a step more than 8, and with one
   number for the drafting and one for the rest the controller chose 16 where 8 gave 1.16x the tokens per
   second. The drafting is the search's, not the chosen trees' (every request is searched at one budget, 1.5x
   the batch's largest choice: :meth:`BudgetController.search_budget`), so a choice is priced with
   the search it leads to: one request's deep tree against the search it makes every request pay for. It is learnt
-  at that same search budget (``Choice.searched``), not at the trees' width: on the H100 at f428370 the paged
+  at that same search budget (``Choice.search``), not at the trees' width: on the H100 at f428370 the paged
   draft's slots were the cap's 32 whatever the budget, the drafting line got fitted to the drifting batch alone
   (through the origin, 0.0055 ms a node at c = 32) and priced at requests x 6-32, and the controller chose 5.3
-  nodes a request where budget 8 gave 1.5x its tokens per second. The paged draft's step costs the same at every
-  search budget (fixed shapes), so its line comes out flat.
+  nodes a request where budget 8 gave 1.5x its tokens per second. And in the per-request budget, not in requests
+  x budget: the paged draft's step costs the same at every search budget (fixed shapes) but grows with the
+  requests, and the batch drifts across its bucket as requests finish (17-32 at c = 32): on the H100 at fbec640
+  a line in requests x budget rose with the requests (0.0063 ms a node between 17 and 32 requests of 16 nodes,
+  the draftings that caught up on prompts left out) and priced 16 nodes a request 1.4 ms above 9 at 32 requests,
+  where those searches' draftings measured within 0.1 ms. In the per-request budget the requests' share is
+  the intercept and the paged draft's line comes out flat.
 * :class:`BudgetController`: given every request's best-first tree at its maximum budget (node
   scores ``rho``, whose sum estimates the accepted tokens), it orders all draft nodes of the batch
   by ``rho`` (after each request's first ``min_per_request``) and picks the total N maximising the
-  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting(B * search(N)) + rest(N))``
+  estimated throughput ``(B + sum rho of the first N) / (cost(B + N) + drafting(search(N)) + rest(N))``
   (``search(N)``: the bounded search that choice leads to, below; ``rest``:
   the engine step's time around the forward and the drafting, its scheduling and output processing,
   measured by the engine; without it, on the H200 at 59e0ecd, the choice at 32 requests was ~6 nodes
@@ -196,9 +201,9 @@ class Choice:
     predicted_s: float  # corrected cost of that forward
     prior_s: float  # the prior alone (what ``StepCostModel.observe`` compares against)
     expected_tokens: float  # B + sum rho of the chosen nodes
-    # draft nodes the search reached for: B x the per-request search budget (:meth:`BudgetController.search_budget`;
-    # not the trees' width: the paged draft's step searches in slots of the full cap whatever the budget)
-    searched: int
+    # the per-request search budget the trees were drawn from (:meth:`BudgetController.search_budget`; not the
+    # trees' width: the paged draft's step searches in slots of the full cap whatever the budget)
+    search: int
     # [B, S] bool on the host: the slots the budgets keep (roots included; each request's best ``budgets[b]`` draft
     # slots by (rho desc, slot asc)): ``Slots.tree(keep=...)`` cuts the trees without ranking them again
     keep: torch.Tensor | None = None
@@ -269,7 +274,7 @@ class BudgetController:
         prior = self.cost.prior.seconds(B, bucket, pairs, float(kv.sum()))
         cost = self.cost.seconds(bucket, prior)
         cand = n >= forced
-        step = cost + self.draft.at(B, B * search) + self.rest.at(B, n)  # the whole tree step's time
+        step = cost + self.draft.at(B, search) + self.rest.at(B, n)  # the whole tree step's time
         if self.eps is not None:
             cand &= step <= (1 + self.eps) * step[0]
         if not cand.any():
@@ -292,7 +297,7 @@ class BudgetController:
         np.put_along_axis(keep[:, 1:], order, np.arange(lr.shape[1]) < budgets[:, None], axis=1)
         return Choice(budgets=torch.from_numpy(budgets), total=best, bucket=int(bucket[best]),
                       predicted_s=float(cost[best]), prior_s=float(prior[best]), expected_tokens=float(expected[best]),
-                      searched=B * (self.searching or lr.shape[1]), keep=torch.from_numpy(keep))
+                      search=self.searching or lr.shape[1], keep=torch.from_numpy(keep))
 
 
 def bounded_search(reach, cap):
