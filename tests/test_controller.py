@@ -58,6 +58,31 @@ def test_cost_model_learns_per_bucket():
     assert m.seconds([1024], [8e-3]).tolist() == pytest.approx([a + r * 8e-3])
 
 
+def test_forward_models_per_batch_bucket():
+    """The H100 at fbec640, c = 128 (module docstring): the measured forward grows with the requests (host work,
+    ~1 ms at one request, ~4.5 at 128), the prior with the tokens. One model over every batch fitted that growth as
+    a slope on the prior and priced 2176 tokens at 128 requests (its prior flops-bound) ~4 ms above 1000; the
+    controller's model of the 128-request bucket, whose seen priors lie within a few percent, adds the prior's own
+    growth (~0.2 ms)."""
+    rl = roofline(weight_bytes=1.4e8, params_active=7e7, kv_bytes_per_token=2e3, attn_flops_per_pair=1e4,
+                  state_bytes=5e5, bandwidth=3.35e12, peak_flops=9.89e14, overhead_s=1e-4)
+    prior = lambda b, t: float(rl.seconds(b, [t], [t * (500.0 + t)], b * (500.0 + t))[0])  # noqa: E731 (context grows)
+    ctl, one = BudgetController(StepCostModel(rl)), StepCostModel(rl)
+    for b, t, ms in [(1, 17, 1.0), (2, 34, 1.2), (8, 136, 1.5), (32, 384, 2.8), (128, 905, 4.5), (128, 1028, 4.55),
+                     (128, 1128, 4.6)]:
+        ctl.cost_model(b).observe(t, prior(b, t), ms * 1e-3)
+        one.observe(t, prior(b, t), ms * 1e-3)
+    grow = prior(128, 2176) - prior(128, 1028)
+    assert 1.5e-4 < grow < 2.5e-4  # the prior: memory-bound at ~1000 tokens, flops-bound at 2176
+    ours = float(ctl.cost_model(128).seconds([2176], [prior(128, 2176)])[0])
+    assert ours == pytest.approx(4.55e-3 + grow, rel=0.02)
+    assert float(one.seconds([2176], [prior(128, 2176)])[0]) > 4.55e-3 + 10 * grow
+    assert ctl.cost_model(100) is ctl.cost_model(128) and ctl.cost_model(1).points.keys() == {17}
+    new = ctl.cost_model(200)  # a new batch bucket starts at the nearest one's median ratio, not at the bare prior
+    assert new.seed == pytest.approx(float(np.median(list(ctl.cost_model(128).ratio.values())))) and new.seed > 10
+    assert float(new.seconds([1500], [3e-4])[0]) == pytest.approx(3e-4 * new.seed)
+
+
 def test_cost_model_clips_outliers():
     """A step that compiled kernels (1000x the usual time) moves a bucket by at most 4x, then decays."""
     m = StepCostModel(roofline(), alpha=0.5)
@@ -316,7 +341,7 @@ def _closed_loop(B, drafting, rest, noise, *, accept=None, buckets=None, steps=2
             logrho = torch.nn.functional.pad(logrho, (0, pad), value=-math.inf)
             valid = torch.nn.functional.pad(valid, (0, pad), value=False)
         ch = ctl.choose(logrho, valid, [kv] * live)
-        ctl.cost.observe(ch.bucket, ch.prior_s, ch.prior_s)
+        ctl.cost_model(live).observe(ch.bucket, ch.prior_s, ch.prior_s)
         ctl.draft.observe(live, ch.search, drafting(live, searched) * (1 + noise * rng.exponential()))
         ctl.rest.observe(live, ch.total, rest(ch.total) * (1 + noise * rng.exponential()))
         if i >= warm:
@@ -426,14 +451,14 @@ def test_steps_with_prompt_rows_are_not_learnt(monkeypatch):
     for mixed in (False, False, True):
         sb.start()
         sb.step_begun(4, tree=True, prefill=False, changed=False)
-        ratio = dict(sb.ctl.cost.ratio) if mixed else ratio  # what the steps of trees alone taught it
+        ratio = dict(sb.ctl.cost_model(4).ratio) if mixed else ratio  # what the steps of trees alone taught it
         sb.chosen(_choice(20))
         clock[0] += 0.002 if not mixed else 0.050
         got = sb.observe(4, 20, 200.0, mixed=mixed)
         assert (got is None) == mixed
         clock[0] += 0.008
     assert sb.stats["observed_steps"] == 2 and "forward_s" not in sb.last and sb.t0 is None
-    assert sb.ctl.cost.ratio == ratio and sb.ctl.rest.line(4) == (pytest.approx(0.008), 0.0)
+    assert sb.ctl.cost_model(4).ratio == ratio and sb.ctl.rest.line(4) == (pytest.approx(0.008), 0.0)
     sb.start()
     sb.step_begun(4, tree=True, prefill=False, changed=False)
     assert sb.ctl.rest.line(4) == (pytest.approx(0.008), 0.0)  # the mixed step's interval is no sample of the rest
@@ -478,8 +503,8 @@ def test_the_engine_measures_the_rest_of_a_tree_step(monkeypatch):
     assert sb.ctl.draft.line(4) == (pytest.approx(0.003), 0.0) and sb.stats["budget_buckets"] == {24: 4}
     assert sb.model()["draft"] == {4: [pytest.approx(3.0), 0.0]}
     assert sb.model()["draft_samples"] == [[4, 8, 16, 3.0]] * 4  # [requests, search budget, chosen nodes, ms]
-    (prior, measured), = sb.ctl.cost.points.values()  # one bucket seen: unseen ones its excess over the prior
-    assert measured == pytest.approx(2e-3) and sb.model()["forward_line"] == [round(1000 * (2e-3 - prior), 4), 1.0]
+    (prior, measured), = sb.ctl.cost_model(4).points.values()  # one bucket seen: unseen ones its excess over the prior
+    assert measured == pytest.approx(2e-3) and sb.model()["forward_line"] == {4: [round(1000 * (2e-3 - prior), 4), 1.0]}
     sb.start()
     sb.step_begun(4, tree=True, prefill=False, changed=False)
     assert sb.ctl.rest.line(4) == (pytest.approx(0.95 * 0.005 + 0.05 * 4 * 0.005), 0.0)

@@ -107,18 +107,19 @@ class StepBudget:
         self.drafting = choice
 
     def model(self) -> dict:
-        """What the controller has learnt: the forward's ratio to its prior per token bucket and, for the buckets
-        not seen, its line [ms, per prior second] through them; drafting and the rest per batch bucket as [ms, ms
+        """What the controller has learnt: per batch bucket, the forward's ratio to its prior per token bucket and,
+        for the token buckets not seen, its line [ms, per prior second] through them; drafting and the rest per
+        batch bucket as [ms, ms
         per draft node] (the per-request search budget for the drafting, chosen nodes for the rest); the last
         drafting samples as [requests, search budget, chosen nodes, ms]."""
         if self.ctl is None:
             return {}
         c = self.ctl
         line = lambda t: {k: [round(1000 * v, 4) for v in t.line(k)] for k in sorted(t.means)}  # noqa: E731
-        a, r = c.cost.line() if c.cost.points else (0.0, 1.0)
-        return dict(forward_ratio={b: round(r, 4) for b, r in sorted(c.cost.ratio.items())},
-                    forward_line=[round(1000 * a, 4), round(r, 4)], draft=line(c.draft), rest=line(c.rest),
-                    draft_samples=list(self.drafts))
+        costs = {k: m for k, m in sorted(c.costs.items()) if m.points}
+        return dict(forward_ratio={k: {b: round(r, 4) for b, r in sorted(m.ratio.items())} for k, m in costs.items()},
+                    forward_line={k: [round(1000 * m.line()[0], 4), round(m.line()[1], 4)] for k, m in costs.items()},
+                    draft=line(c.draft), rest=line(c.rest), draft_samples=list(self.drafts))
 
     def drafted(self, seconds: float, catching_up: bool = False) -> None:
         """The step under way drafted the next step's trees for ``seconds``: a sample of the controller's
@@ -192,8 +193,8 @@ class StepBudget:
         if self.last is not None:
             self.last["forward_s"] = measured
         bucket = int(self.ctl.bucket([tokens])[0])
-        prior = float(self.ctl.cost.prior.seconds(num_requests, [bucket], [kv_tokens + tokens], kv_tokens)[0])
-        self.ctl.cost.observe(bucket, prior, measured)
+        prior = float(self.ctl.template.prior.seconds(num_requests, [bucket], [kv_tokens + tokens], kv_tokens)[0])
+        self.ctl.cost_model(num_requests).observe(bucket, prior, measured)
         st = self.stats
         if self.predicted_s is None:
             return None

@@ -14,6 +14,14 @@ requests' context lengths and its measured step times.
   ~25x its prior (the host work around a forward the prior puts at ~0.3 ms, flat in the tokens), and that
   ratio carried onto the prior's flops-bound buckets (above ~1200 tokens) made the forward of 16 nodes a
   request look 1.5-2x that of 3, where the fixed budgets' runs (8 and 16) measured their whole steps within 1.3x.
+  The line's slope is fitted only over priors at least ``SLOPE_SPREAD`` apart, else ``r = 1`` (the prior's own
+  growth on top of the measured excess), and the controller keeps one model per batch bucket
+  (:meth:`BudgetController.cost_model`): the measured forward grows with the requests (the host's work per
+  request), the prior with the tokens, and in one model the first posed as the second. Seen on the H100 at
+  fbec640 (c = 128, MT-Bench): points from batches of 1 to 128 gave ``r = 21.9``, which priced 16 nodes a
+  request (2176 tokens, the prior flops-bound) ~2.6 ms above 6 (~900 tokens), where the fixed budget of 16 ran
+  its whole tree step faster than the controller's; at 128 requests alone the seen buckets' priors lay within
+  a few percent of each other, a slope of noise.
 * :class:`NodeTimes`: the step's time beside the forward, its drafting and its rest, each ``a + b * nodes``
   per batch bucket (requests rounded up to a power of two), fitted online: the drafting in the per-request
   search budget, the rest in the step's chosen draft nodes.
@@ -66,6 +74,7 @@ requests' context lengths and its measured step times.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -76,6 +85,7 @@ import torch
 __all__ = ["BudgetController", "Choice", "NodeTimes", "Roofline", "StepCostModel"]
 SEARCH_FLOOR = 4  # draft nodes per request the bounded search always allows
 SEARCH_GROWTH = 1.5  # the bounded search: this times the last choice's largest per-request budget (module docstring)
+SLOPE_SPREAD = 1.5  # the forward's line fits a slope only over priors at least this far apart (module docstring)
 
 
 @dataclass(frozen=True)
@@ -113,15 +123,17 @@ class StepCostModel:
     clip: float = 4.0
     ratio: dict = field(default_factory=dict)  # bucket -> measured / prior
     points: dict = field(default_factory=dict)  # bucket -> weighted means (prior s, measured s)
+    seed: float = 1.0  # the ratio before any measurement (a new batch bucket's: :meth:`BudgetController.cost_model`)
 
     def seconds(self, buckets, prior) -> np.ndarray:
         """``[n]`` predicted seconds of forwards over token buckets ``[n]`` whose prior is ``prior`` ``[n]``: a seen
         bucket's prior times its ratio; an unseen one's on the line ``a + r * prior`` through the seen buckets'
-        mean (prior, measured) points (least squares, ``0 <= r <=`` their largest ratio; one point: ``r = 1``),
-        never below the prior; the prior before any measurement."""
+        mean (prior, measured) points (least squares, ``0 <= r <=`` their largest ratio; ``r = 1`` over priors less
+        than ``SLOPE_SPREAD`` apart, one point included), never below the prior; before any measurement the prior
+        times ``seed``."""
         buckets, prior = np.asarray(buckets, dtype=np.int64), np.asarray(prior, dtype=np.float64)
         if not self.ratio:
-            return prior.copy()
+            return prior * self.seed
         a, r = self.line()
         out = np.maximum(a + r * prior, prior)
         seen = np.array(sorted(self.ratio), dtype=np.int64)  # above the CUDA-graph sizes every token count is one
@@ -134,9 +146,11 @@ class StepCostModel:
         """(a, r) through the seen buckets' points (plain Python: ~20 points, every step)."""
         pts, k = self.points.values(), len(self.points)
         mp, mm = sum(p for p, _ in pts) / k, sum(m for _, m in pts) / k
-        var = sum((p - mp) ** 2 for p, _ in pts) / k
-        r = sum((p - mp) * (m - mm) for p, m in pts) / k / var if var > 1e-6 * mp * mp else 1.0
-        r = min(max(r, 0.0), max(self.ratio.values()))
+        if max(p for p, _ in pts) >= SLOPE_SPREAD * min(p for p, _ in pts):
+            var = sum((p - mp) ** 2 for p, _ in pts) / k
+            r = min(max(sum((p - mp) * (m - mm) for p, m in pts) / k / var, 0.0), max(self.ratio.values()))
+        else:
+            r = 1.0
         return mm - r * mp, r
 
     def observe(self, bucket: int, predicted_prior_s: float, measured_s: float) -> None:
@@ -216,7 +230,8 @@ class BudgetController:
             raise ValueError(f"min_per_request: must be >= 0 (got {min_per_request})")
         if eps is not None and not eps >= 0:
             raise ValueError(f"eps: must be >= 0 or None (got {eps})")
-        self.cost, self.min, self.eps = cost, min_per_request, eps
+        self.template, self.min, self.eps = cost, min_per_request, eps
+        self.costs: dict[int, StepCostModel] = {}  # batch bucket -> the forward's model (:meth:`cost_model`)
         self.buckets = np.array(sorted(set(buckets)), dtype=np.int64) if buckets else None
         self.draft = NodeTimes()  # drafting time per step (the engine measures)
         self.rest = NodeTimes()  # the rest of an engine step beside the forward and the drafting (likewise)
@@ -226,6 +241,20 @@ class BudgetController:
         self.reach: int | None = None  # the largest per-request budget of the last choice
         self.cap: int | None = None  # the per-request search budget's bound (:meth:`search_budget`)
         self.searching: int | None = None  # the per-request search budget the next choice's trees were searched at
+
+    def cost_model(self, batch: int) -> StepCostModel:
+        """The forward's model of ``batch``'s bucket (requests rounded up to a power of two; module docstring): a
+        copy of the model the controller was given, learning apart from the other buckets', its ``seed`` the
+        median ratio of the nearest bucket seen (so that its first steps are neither priced at the bare prior, ~20x
+        too cheap on the H100 at fbec640, nor clipped to 4x it)."""
+        k = batch_bucket(batch)
+        if k not in self.costs:
+            m = self.costs[k] = copy.deepcopy(self.template)
+            seen = [j for j, c in self.costs.items() if c.ratio]
+            if seen:
+                near = self.costs[min(seen, key=lambda j: abs(math.log2(j / k)))]
+                m.seed = float(np.median(list(near.ratio.values())))
+        return self.costs[k]
 
     def search_budget(self, cap: int) -> int:
         """Draft nodes per request to search before :meth:`choose` (module docstring), at most ``cap``."""
@@ -271,8 +300,8 @@ class BudgetController:
         expected = B + np.concatenate([[0.0], np.cumsum(rho)])
         pairs = kv.sum() + B + np.concatenate([[0.0], np.cumsum(kv[node_req] + 1)])
         bucket = self.bucket(B + n)
-        prior = self.cost.prior.seconds(B, bucket, pairs, float(kv.sum()))
-        cost = self.cost.seconds(bucket, prior)
+        prior = self.template.prior.seconds(B, bucket, pairs, float(kv.sum()))
+        cost = self.cost_model(B).seconds(bucket, prior)
         cand = n >= forced
         step = cost + self.draft.at(B, search) + self.rest.at(B, n)  # the whole tree step's time
         if self.eps is not None:
