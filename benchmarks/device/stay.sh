@@ -13,7 +13,8 @@
 #  11   PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model"
 #       matrix (~450 s): the controller after cc42cfb (drafting that caught up on prompts no sample of its line),
 #       c8ea37c / 7aaa53a (no first plain probe where smaller buckets bound plain decoding), 897331f (the trees cut
-#       by the choice's ranking) and b3e41a7 (the drafting line in the per-request search budget): `controller.json`
+#       by the choice's ranking), b3e41a7 (the drafting line in the per-request search budget) and 1ce9ddc (the
+#       forward's model per batch bucket, its slope only over priors 1.5x apart): `controller.json`
 #       (vLLM's chain rows of fbec640 stay in the README)
 #  12   gdnbench (~5 min: `gdn_tree.json` at the issue's shapes against the floor; its serial baseline through
 #       vLLM's FLA copy fixed in 7d976ff; needs `install`)
