@@ -109,9 +109,8 @@ class StepBudget:
     def model(self) -> dict:
         """What the controller has learnt: per batch bucket, the forward's ratio to its prior per token bucket and,
         for the token buckets not seen, its line [ms, per prior second] through them; drafting and the rest per
-        batch bucket as [ms, ms
-        per draft node] (the per-request search budget for the drafting, chosen nodes for the rest); the last
-        drafting samples as [requests, search budget, chosen nodes, ms]."""
+        batch bucket as [ms, ms per draft node] (the per-request search budget for the drafting, chosen nodes for
+        the rest); the last drafting samples as [requests, search budget, chosen nodes, ms]."""
         if self.ctl is None:
             return {}
         c = self.ctl
