@@ -19,9 +19,9 @@ requests' context lengths and its measured step times.
   (:meth:`BudgetController.cost_model`): the measured forward grows with the requests (the host's work per
   request), the prior with the tokens, and in one model the first posed as the second. Seen on the H100 at
   fbec640 (c = 128, MT-Bench): points from batches of 1 to 128 gave ``r = 21.9``, which priced 16 nodes a
-  request (2176 tokens, the prior flops-bound) ~2.6 ms above 6 (~900 tokens), where the fixed budget of 16 ran
-  its whole tree step faster than the controller's; at 128 requests alone the seen buckets' priors lay within
-  a few percent of each other, a slope of noise.
+  request (2176 tokens, the prior flops-bound) ~2.6 ms above 6 (~900 tokens; our reconstruction of the prior),
+  where the fixed budget of 16 ran its whole tree step faster than the controller's; at 128 requests alone the
+  seen buckets' priors lay within a few percent of each other, a slope of noise.
 * :class:`NodeTimes`: the step's time beside the forward, its drafting and its rest, each ``a + b * nodes``
   per batch bucket (requests rounded up to a power of two), fitted online: the drafting in the per-request
   search budget, the rest in the step's chosen draft nodes.
