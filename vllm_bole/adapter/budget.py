@@ -116,8 +116,9 @@ class StepBudget:
         c = self.ctl
         line = lambda t: {k: [round(1000 * v, 4) for v in t.line(k)] for k in sorted(t.means)}  # noqa: E731
         costs = {k: m for k, m in sorted(c.costs.items()) if m.points}
+        lines = {k: m.line() for k, m in costs.items()}
         return dict(forward_ratio={k: {b: round(r, 4) for b, r in sorted(m.ratio.items())} for k, m in costs.items()},
-                    forward_line={k: [round(1000 * m.line()[0], 4), round(m.line()[1], 4)] for k, m in costs.items()},
+                    forward_line={k: [round(1000 * a, 4), round(r, 4)] for k, (a, r) in lines.items()},
                     draft=line(c.draft), rest=line(c.rest), draft_samples=list(self.drafts))
 
     def drafted(self, seconds: float, catching_up: bool = False) -> None:

@@ -85,13 +85,12 @@ class Slots:
         controller cuts the trees to; one pass, without an intermediate :class:`Slots`). ``keep``
         (``[B, S]`` bool on the host) instead: those slots, already ranked so
         (:attr:`~vllm_bole.spec_decode.controller.Choice.keep`)."""
-        v = _np(self.valid)
+        valid = _np(self.valid)
         if budget is not None:
-            v = _select(_np(self.logrho), v, _np(budgets(budget, v.shape[0], "cpu")) + 1, None)
-        elif keep is not None and not np.array_equal(keep := _np(keep), v):
-            v = keep
+            v = _select(_np(self.logrho), valid, _np(budgets(budget, valid.shape[0], "cpu")) + 1, None)
         else:
-            budget = keep = None  # every slot: no parents to renumber
+            v = valid if keep is None else _np(keep)
+        cut = not np.array_equal(v, valid)  # slots left out: the parents to renumber
         counts = v.sum(1)
         cu = np.zeros(counts.size + 1, np.int64)
         cu[1:] = np.cumsum(counts)
@@ -100,7 +99,7 @@ class Slots:
         parent, depth = field("parent"), field("depth")
         T = parent.size
         req = np.repeat(np.arange(counts.size), counts)
-        if budget is not None or keep is not None:  # the parents' slots -> their places among the kept slots
+        if cut:  # the parents' slots -> their places among the kept slots
             newpos = v.cumsum(1) - 1
             parent = np.where(parent >= 0, newpos[req, np.maximum(parent, 0)], -1)
         local = np.arange(T, dtype=np.int32) - cu[:-1][req].astype(np.int32)

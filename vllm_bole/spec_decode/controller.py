@@ -181,8 +181,7 @@ class NodeTimes:
         """(a, b) seconds of the batch's bucket."""
         if not self.means:
             return 0.0, 0.0
-        k = math.log2(batch_bucket(batch))
-        n, nn, t, nt = self.means[min(self.means, key=lambda s: abs(math.log2(s) - k))]
+        n, nn, t, nt = self.means[nearest_bucket(self.means, batch)]
         var = nn - n * n
         b = max((nt - n * t) / var, 0.0) if var > 1e-6 * max(n * n, 1.0) else 0.0
         return max(t - b * n, 0.0), b
@@ -205,6 +204,12 @@ class NodeTimes:
 def batch_bucket(batch: int) -> int:
     """Requests rounded up to a power of two (the buckets of :class:`NodeTimes` and of the speculation switch)."""
     return 1 << max(int(batch) - 1, 0).bit_length()
+
+
+def nearest_bucket(buckets, batch: int) -> int:
+    """The bucket of ``buckets`` (powers of two, at least one) nearest ``batch``'s on a log scale."""
+    k = batch_bucket(batch)
+    return min(buckets, key=lambda j: abs(math.log2(j / k)))
 
 
 @dataclass(frozen=True)
@@ -252,8 +257,7 @@ class BudgetController:
             m = self.costs[k] = copy.deepcopy(self.template)
             seen = [j for j, c in self.costs.items() if c.ratio]
             if seen:
-                near = self.costs[min(seen, key=lambda j: abs(math.log2(j / k)))]
-                m.seed = float(np.median(list(near.ratio.values())))
+                m.seed = float(np.median(list(self.costs[nearest_bucket(seen, k)].ratio.values())))
         return self.costs[k]
 
     def search_budget(self, cap: int) -> int:
