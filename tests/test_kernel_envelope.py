@@ -225,9 +225,10 @@ def test_ssd_bf16_state(kernels):
 @pytest.mark.parametrize("name,dtype", [("N64", torch.float32), ("ragged", torch.float32), ("N129", torch.bfloat16),
                                         ("N20", torch.bfloat16)])
 def test_ssd_shared_cb_tiles(name, dtype):
-    """The group's C B^T tiles from ``ssd_cb_kernel`` (the default for blocked trees) give the outputs of each head's
-    own products: blocked and one-block trees, the ragged batch (root-only requests), fp32 and bf16 operands, a
-    group shared by four heads; both against the oracle."""
+    """The group's C B^T tiles from ``ssd_cb_kernel`` (the default for blocked trees over more than a wave of
+    programs: on CPU every blocked tree) give the outputs of each head's own products: blocked and one-block
+    trees, the ragged batch (root-only requests), fp32 and bf16 operands, a group shared by four heads; both
+    against the oracle."""
     from csrc_triton.ssd_tree import ssd_tree_step as launch
 
     one_block = [random_tree(20, generator=torch.Generator().manual_seed(3))]
