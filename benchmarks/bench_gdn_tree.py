@@ -38,6 +38,7 @@ from benchmarks.tree_cases import (  # noqa: E402
 from vllm_bole.gdn import PendingPath, gdn_tree_step, stash_accepted_path  # noqa: E402
 from vllm_bole.testing.oracles import gdn_tree_reference  # noqa: E402
 
+GRID_Z_MAX = 65535  # CUDA's limit on a grid's z axis (FLA's serial kernel: one program per path and value head)
 CONFIGS = {"qwen3next-80b": (16, 32, 128, 128), "qwen3next-80b-tp2": (8, 16, 128, 128)}
 
 
@@ -102,7 +103,9 @@ def serial_setup(c, state):
     it (``vllm.third_party.flash_linear_attention``: states [V, K] in a buffer addressed by
     ``ssm_state_indices`` [paths, max length], read from and written back to the column of each path's last
     token (``num_accepted_tokens`` = its length, 0 = skip elsewhere): one state read and one write per path, as
-    FLA's; the paths' initial states gathered transposed into that buffer, the same bytes as FLA's gather)."""
+    FLA's; the paths' initial states gathered transposed into that buffer, the same bytes as FLA's gather).
+    FLA launches one program per (path, value head) on the grid's z axis, at most 65535: the paths go in
+    chunks of at most ``65535 // Hv`` (one launch each; B = 32 trees of 128 nodes need two)."""
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
         vllm_copy = False
@@ -128,17 +131,27 @@ def serial_setup(c, state):
         Hv, K, V = state.shape[1:]
         h0 = torch.empty(n + 1, Hv, V, K, device="cuda", dtype=state.dtype)
 
+    n_paths, per = cu_t.numel() - 1, GRID_Z_MAX // state.shape[1]
+    chunks = [(a, min(a + per, n_paths)) for a in range(0, n_paths, per)]
+    cu_host = paths["cu"]
+
+    def inputs(a, b):
+        rows = idx[cu_host[a] : cu_host[b]]
+        return dict(q=c["q"][rows][None], k=c["k"][rows][None], v=c["v"][rows][None], g=c["g"][rows][None],
+                    beta=c["beta"][rows][None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t[a : b + 1] - cu_host[a])
+
     def run():
-        inputs = dict(q=c["q"][idx][None], k=c["k"][idx][None], v=c["v"][idx][None], g=c["g"][idx][None],
-                      beta=c["beta"][idx][None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
         if vllm_copy:
             h0[1:] = state[req_t].transpose(-1, -2)
-            o, _ = fused_recurrent_gated_delta_rule(**inputs, initial_state=h0, inplace_final_state=True,
-                                                    ssm_state_indices=state_rows, num_accepted_tokens=num_accepted)
+            o = [fused_recurrent_gated_delta_rule(**inputs(a, b), initial_state=h0, inplace_final_state=True,
+                                                  ssm_state_indices=state_rows[a:b],
+                                                  num_accepted_tokens=num_accepted[a:b])[0] for a, b in chunks]
             state[slots] = h0[1 + acc_paths].transpose(-1, -2)
         else:
-            o, ht = fused_recurrent_gated_delta_rule(**inputs, initial_state=state[req_t], output_final_state=True)
-            state[slots] = ht[acc_paths]
+            outs = [fused_recurrent_gated_delta_rule(**inputs(a, b), initial_state=state[req_t[a:b]],
+                                                     output_final_state=True) for a, b in chunks]
+            o = [out for out, _ in outs]
+            state[slots] = torch.cat([ht for _, ht in outs])[acc_paths]
         return o
 
     return run, len(paths["rows"])
