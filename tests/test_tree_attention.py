@@ -317,3 +317,16 @@ def test_queries_on_part_of_the_tree(kernels):
                    num_keys=tree.nodes_per_request.to(torch.int32).to(DEV))
     got = out.cpu().double()
     assert torch.isfinite(got).all() and torch.allclose(got, ref[rows], atol=2e-5 * max(1.0, ref.abs().max().item()))
+
+
+def test_flash_prefix_supports_only_what_flashattention_takes():
+    """The FlashAttention prefix only for fp16/bf16 queries over a cache of their dtype and heads up to 256:
+    an fp32 engine (FlashAttention refuses fp32) keeps the Triton prefix."""
+    from vllm_bole.adapter import flash_prefix
+
+    q, cache = torch.zeros(3, 4, 128), torch.zeros(2, 16, 1, 128)
+    assert flash_prefix.supports(q.bfloat16(), cache.bfloat16()) and flash_prefix.supports(q.half(), cache.half())
+    assert not flash_prefix.supports(q, cache)
+    assert not flash_prefix.supports(q.bfloat16(), cache.half())
+    assert not flash_prefix.supports(torch.zeros(3, 4, 512, dtype=torch.bfloat16),
+                                     torch.zeros(2, 16, 1, 512, dtype=torch.bfloat16))

@@ -13,7 +13,9 @@ Measured (H100, fbec640, ``tree_attention.json``): B = 32, N = 64, prefix 8192: 
 our kernel alone, 1.25x the compute floor (2.11x); B = 8: 1.45x (2.67x). Decision: the attention layer
 takes it with ``VLLM_BOLE_FLASH_PREFIX=1`` (:func:`enabled`), off by default until the vLLM matrix has run
 it inside the engine (identity and step time, under CUDA graphs and with the hybrids' block sizes); the
-benchmark's paged cache was its own, not a vLLM layer's. Its CPU stand-in
+benchmark's paged cache was its own, not a vLLM layer's. Inside the engine (192c57d, H100, ``mixed``):
+Qwen3-Next bf16 with it passed the noise criterion; NemotronH fp32 failed, FlashAttention refusing fp32, hence
+:func:`supports`. Still to measure before it is the default: its step time in the matrix. Its CPU stand-in
 (``tree_attention.naive.prefix_attention_torch``) is tested against the whole kernel; this call itself runs
 on a GPU only.
 """
@@ -51,6 +53,16 @@ def available() -> bool:
         return fa_utils.is_flash_attn_varlen_func_available() and _flash()[1] is not None
     except (ImportError, AttributeError, RuntimeError, AssertionError):
         return False
+
+
+def supports(q, key_cache) -> bool:
+    """Whether FlashAttention takes these: fp16 or bf16 queries over a cache of the same dtype (it refuses fp32,
+    "FlashAttention only supports fp16, bf16, and fp8_e4m3": an fp32 NemotronH failed so at 192c57d; an fp8
+    cache would need its scales) and head size at most 256. The layer falls back to the Triton prefix
+    otherwise."""
+    import torch
+
+    return q.dtype in (torch.float16, torch.bfloat16) and key_cache.dtype == q.dtype and q.shape[-1] <= 256
 
 
 def flash_prefix_attention(q, key_cache, value_cache, block_table, prefix_len, cu_nodes, *, scale, max_nodes,

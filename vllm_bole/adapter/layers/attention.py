@@ -91,12 +91,13 @@ class AttentionLayer:
             s, T = step.tok_start, step.num_tokens
             q = query.reshape(query.shape[0], H, D)[s : s + T]
             kc, vc, triton_ok = self.kv_views()
+            flash = prefix if prefix and triton_ok and flash_prefix.supports(q, kc) else None
             dst = output.view(output.shape[0], H, D)[s : s + T]
             direct = dst.dtype == q.dtype  # the kernel writes the layer's output rows in place
             o = tree_attention(q, kc, vc, step.block_tables[self.group], step.prefix_len, step.tree, scale=scale,
                                out=dst if direct else None, max_nodes=step.host_tree.max_nodes,
                                max_kv_len=step.max_kv_len, kernels=step.kernels if triton_ok else "torch",
-                               prefix_attention=prefix if triton_ok else None)
+                               prefix_attention=flash)
             if not direct:
                 dst.copy_(o)
             return output
