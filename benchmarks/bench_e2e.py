@@ -41,7 +41,8 @@ Per cell: ``tokens_per_s`` (output tokens / generate seconds), ``accept_len`` (t
 per target step: 1 for ``ar``; vLLM's spec-decode counters for ``vllm_chain``; the tree runner's
 counters for ours), ``tpot_ms`` (vLLM's TPOT: per request, from its first token to its last over its
 other tokens, averaged over the cell's requests), and for ours the split per step:
-``draft_ms`` (``propose_ms`` of it the drafter's own, the rest building trees), ``verify_commit_ms``
+``draft_ms`` (``propose_ms`` of it the drafter's own, ``choose_ms`` the budget controller's choice and the cut to
+it, the rest building trees), ``verify_commit_ms``
 (tree verification and commit of the recurrent layers, inside the step), ``finish_ms`` (the tree
 step's results to the host, which waits for its forward, and the counters), ``forward_ms`` (the
 target forward of a tree step, GPU time), ``prepare_ms`` (input preparation per step, host;
@@ -222,6 +223,7 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                    step_ms=1000 * res["generate_s"] / max(st["steps"], 1),
                    draft_ms=1000 * st["draft_s"] / max(st["steps"], 1),
                    propose_ms=1000 * st.get("propose_s", 0.0) / max(st["steps"], 1),
+                   choose_ms=1000 * st.get("choose_s", 0.0) / max(st["steps"], 1),
                    verify_commit_ms=1000 * st["verify_commit_s"] / max(st["tree_steps"], 1),
                    finish_ms=1000 * st.get("finish_s", 0.0) / max(st["tree_steps"], 1),
                    forward_ms=1000 * st["forward_s"] / max(st["tree_steps"], 1),

@@ -193,7 +193,7 @@ class TreeRunnerMixin:
                                 plain_full_steps=0, plain_piecewise_steps=0, plain_eager_steps=0,
                                 split_padding_rows=0, mixed_tree_steps=0,
                                 prefill_mixed_tree_steps=0, placeholder_trees=0, resumed_requests=0, drafted_nodes=0,
-                                chained_drafts=0, accepted=0, verified_requests=0, propose_s=0.0,
+                                chained_drafts=0, accepted=0, verified_requests=0, propose_s=0.0, choose_s=0.0,
                                 plain_drafts=0, plain_draft_s=0.0,
                                 settled_steps=0, **dict.fromkeys(PHASES, 0.0),
                                 **{f"timed_{k}_steps{u}": z for k in STEP_KINDS for u, z in (("", 0), ("_s", 0.0))},
@@ -886,9 +886,10 @@ class TreeRunnerMixin:
         ``timed_{kind}_steps_s`` (engine steps and their wall time by kind: ``_bole_time_step``), drafted
         nodes, accepted nodes, ``chained_drafts`` (drafts launched behind a tree step's verification, from
         its tokens on the device), ``plain_drafts`` / ``plain_draft_s`` (drafts made after a step without trees,
-        the draft catching up on a prompt or on plain decoding: count and seconds); seconds: ``draft_s`` drafting per step (``propose_s`` of it the drafter's
-        own, the rest building trees), ``prepare_s`` input preparation per step (host; ``prepare_vllm_s``
-        of it vLLM's own), ``forward_s`` the target forward of tree steps (device time on CUDA),
+        the draft catching up on a prompt or on plain decoding: count and seconds); seconds: ``draft_s`` drafting
+        per step (``propose_s`` of it the drafter's own, ``choose_s`` the budget controller's choice and the cut to
+        it, the rest building trees), ``prepare_s`` input preparation per step (host; ``prepare_vllm_s`` of it
+        vLLM's own), ``forward_s`` the target forward of tree steps (device time on CUDA),
         ``verify_commit_s`` per tree step (host, until the results are queued), ``finish_s`` the tree
         step's sampler output after that (results to the host, counters); the host's timeline of each step,
         ``tree_step.HOST_PHASES``, which tiles its wall time) and the per-step log of

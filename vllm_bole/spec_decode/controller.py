@@ -124,6 +124,8 @@ class StepCostModel:
     ratio: dict = field(default_factory=dict)  # bucket -> measured / prior
     points: dict = field(default_factory=dict)  # bucket -> weighted means (prior s, measured s)
     seed: float = 1.0  # the ratio before any measurement (a new batch bucket's: :meth:`BudgetController.cost_model`)
+    # (seen buckets ascending, their ratios, :meth:`line`) as of the last observation (:meth:`seconds` runs every step)
+    _fit: tuple | None = field(default=None, repr=False, compare=False)
 
     def seconds(self, buckets, prior) -> np.ndarray:
         """``[n]`` predicted seconds of forwards over token buckets ``[n]`` whose prior is ``prior`` ``[n]``: a seen
@@ -134,12 +136,14 @@ class StepCostModel:
         buckets, prior = np.asarray(buckets, dtype=np.int64), np.asarray(prior, dtype=np.float64)
         if not self.ratio:
             return prior * self.seed
-        a, r = self.line()
+        if self._fit is None:  # above the CUDA-graph sizes every token count is a bucket: dozens seen
+            seen = np.array(sorted(self.ratio), dtype=np.int64)
+            self._fit = seen, np.array([self.ratio[int(k)] for k in seen]), self.line()
+        seen, ratios, (a, r) = self._fit
         out = np.maximum(a + r * prior, prior)
-        seen = np.array(sorted(self.ratio), dtype=np.int64)  # above the CUDA-graph sizes every token count is one
         i = np.minimum(np.searchsorted(seen, buckets), seen.size - 1)
         hit = seen[i] == buckets
-        out[hit] = prior[hit] * np.array([self.ratio[int(k)] for k in seen])[i[hit]]
+        out[hit] = prior[hit] * ratios[i[hit]]
         return out
 
     def line(self) -> tuple[float, float]:
@@ -163,6 +167,7 @@ class StepCostModel:
         r = min(max(measured_s / predicted_prior_s, ref / self.clip), ref * self.clip)
         w = 1.0 if old is None else self.alpha
         p, m = self.points.get(bucket, (0.0, 0.0))
+        self._fit = None
         self.ratio[bucket] = r if old is None else (1 - w) * old + w * r
         self.points[bucket] = ((1 - w) * p + w * predicted_prior_s, (1 - w) * m + w * r * predicted_prior_s)
 
@@ -176,15 +181,19 @@ class NodeTimes:
     alpha: float = 0.05
     clip: float = 4.0
     means: dict = field(default_factory=dict)  # batch bucket -> weighted means of [n, n^2, t, n t]
+    _lines: dict = field(default_factory=dict, repr=False, compare=False)  # batch bucket -> line, until an observation
 
     def line(self, batch: int) -> tuple[float, float]:
         """(a, b) seconds of the batch's bucket."""
         if not self.means:
             return 0.0, 0.0
-        n, nn, t, nt = self.means[nearest_bucket(self.means, batch)]
-        var = nn - n * n
-        b = max((nt - n * t) / var, 0.0) if var > 1e-6 * max(n * n, 1.0) else 0.0
-        return max(t - b * n, 0.0), b
+        k = batch_bucket(batch)
+        if k not in self._lines:
+            n, nn, t, nt = self.means[nearest_bucket(self.means, batch)]
+            var = nn - n * n
+            b = max((nt - n * t) / var, 0.0) if var > 1e-6 * max(n * n, 1.0) else 0.0
+            self._lines[k] = max(t - b * n, 0.0), b
+        return self._lines[k]
 
     def at(self, batch: int, nodes) -> np.ndarray:
         a, b = self.line(batch)
@@ -199,6 +208,7 @@ class NodeTimes:
         k = batch_bucket(batch)
         old = self.means.get(k)
         self.means[k] = x if old is None else (1 - self.alpha) * old + self.alpha * x
+        self._lines.clear()
 
 
 def batch_bucket(batch: int) -> int:
@@ -294,7 +304,8 @@ class BudgetController:
         k_score = key.reshape(-1)[flat]
         k_req, k_rank = np.divmod(flat, key.shape[1])
         later = k_rank >= self.min  # past a request's first ``min``
-        g = np.lexsort((-k_score, later))  # stable: equal scores keep (request, rank) order
+        # stable: equal scores keep (request, rank) order
+        g = np.lexsort((-k_score, later)) if self.min else np.argsort(-k_score, kind="stable")
         node_req, rho, forced = k_req[g], np.exp(k_score[g]), int(flat.size - later.sum())
         n = np.arange(node_req.size + 1)
         # the search each total leads to (:meth:`search_budget`) from its largest per-request budget (a request's

@@ -54,8 +54,9 @@ def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequenc
     the builder's per (depth, kind) factors (:class:`~vllm_bole.spec_decode.calibration.Calibration`).
     The trees carry the drafter's probability of every node (``draft_prob``). ``timings``: a dict to
     which ``propose_s`` (the drafter's own seconds, launch and wait; the rest is building the trees)
-    is added. ``pending`` (tokens ``[B, W]``, counts ``[B]``, on the device; a drafter with
-    ``grow_trees_async`` only): tokens after the histories that the host has not read yet."""
+    and ``choose_s`` (the controller's choice and the cut to it) are added. ``pending`` (tokens ``[B, W]``,
+    counts ``[B]``, on the device; a drafter with ``grow_trees_async`` only): tokens after the histories that
+    the host has not read yet."""
     opts = dict(max_depth=max_depth, top_k=top_k, calibration=calibration)
     t0 = time.perf_counter()
     # with a controller: one search at ``budget``, cut to the chosen budgets (``Slots.tree(keep=...)``: the
@@ -75,7 +76,7 @@ def draft_trees_async(drafter: Drafter, roots: Sequence[int], histories: Sequenc
             tree = best_first_tree(roots, cands, budget, **opts)
             return lambda: (tree, None)
         full = best_first_slots(roots, cands, budget, **opts)
-        return _finish(lambda: full, controller, kv_lens, None)
+        return _finish(lambda: full, controller, kv_lens, timings)
     _add(timings, t0)
     return _finish(launched, controller, kv_lens, timings)
 
@@ -89,15 +90,18 @@ def _finish(pending: Callable, controller: BudgetController | None, kv_lens, tim
         _add(timings, t0)
         if controller is None:
             return full.tree(), None
+        t0 = time.perf_counter()
         choice = controller.choose(full.logrho, full.valid, kv_lens)
-        return full.tree(keep=choice.keep), choice
+        tree = full.tree(keep=choice.keep)
+        _add(timings, t0, "choose_s")
+        return tree, choice
 
     return finish
 
 
-def _add(timings: dict | None, t0: float) -> None:
+def _add(timings: dict | None, t0: float, key: str = "propose_s") -> None:
     if timings is not None:
-        timings["propose_s"] = timings.get("propose_s", 0.0) + time.perf_counter() - t0
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
 @dataclass
