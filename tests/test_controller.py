@@ -201,8 +201,10 @@ def test_draft_trees_cut_to_the_chosen_budgets(ties):
         cands = Candidates(cands.tokens, torch.where(cands.tokens >= 0, 0.25, 0.0))
     roots = list(range(B))
     ctl = BudgetController(StepCostModel(roofline(params_active=2e11)), eps=None, min_per_request=2 * ties)
+    timings = {}
     tree, ch = draft_trees(_Fixed(cands), roots, [[1]] * B, [D] * B, 12, max_depth=D, controller=ctl,
-                           kv_lens=[10] * B)
+                           kv_lens=[10] * B, timings=timings)
+    assert timings["choose_s"] > 0 and "propose_s" in timings  # the choice and cut timed apart from the drafter
     assert not ties or ch.budgets.tolist() == [2, 2, 0, 2, 2]
     want = best_first_tree(roots, cands, ch.budgets, max_depth=D)
     assert torch.equal(tree.token_ids, want.token_ids) and torch.equal(tree.parent, want.parent)
