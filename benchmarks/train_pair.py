@@ -80,8 +80,8 @@ MODELS = ("nemotron_h", "qwen3_next", "draft", "block", "mtp", "distill")
 HEADS = ("block", "mtp")  # trained on a trained target, after it
 AFTER_TARGET = HEADS + ("distill",)  # need the trained target (distill also the trained draft): a second phase
 LR = {"nemotron_h": 2e-3, "qwen3_next": 2e-3, "draft": 3e-3, "block": 1e-3, "mtp": 1e-3, "distill": 1e-3}
-STEPS = {"nemotron_h": 2000, "qwen3_next": 1000, "draft": 3500, "block": 600, "mtp": 600, "distill": 2000}
-SECONDS = {"nemotron_h": 240, "qwen3_next": 240, "draft": 240, "block": 80, "mtp": 80,
+STEPS = {"nemotron_h": 2000, "qwen3_next": 1000, "draft": 3500, "block": 1500, "mtp": 1500, "distill": 2000}
+SECONDS = {"nemotron_h": 240, "qwen3_next": 240, "draft": 240, "block": 200, "mtp": 200,
            "distill": 150}  # whichever ends first
 HEAD_DEPTH, HEAD_BATCH, DISTILL_BATCH = 8, 8, 16
 EVAL_TOKENS = 131_072
