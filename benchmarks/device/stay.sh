@@ -11,19 +11,21 @@
 #   9   carry .pair/data                                                                                     parts
 #  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~70 s)
 #  11   PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model"
-#       matrix (~450 s): the controller after cc42cfb (drafting that caught up on prompts no sample of its line),
-#       c8ea37c / 7aaa53a (no first plain probe where smaller buckets bound plain decoding), 897331f (the trees cut
-#       by the choice's ranking), b3e41a7 (the drafting line in the per-request search budget) and 1ce9ddc (the
-#       forward's model per batch bucket, its slope only over priors 1.5x apart): `controller.json`
-#       (vLLM's chain rows of fbec640 stay in the README)
-#  12   gdnbench (~5 min: `gdn_tree.json` at the issue's shapes against the floor; its serial baseline through
-#       vLLM's FLA copy fixed in 7d976ff; needs `install`)
-#  then, as time allows:
-#  VLLM_BOLE_FLASH_PREFIX=1 MIXED="nemotron_h qwen3_next" MIXED_SECONDS=400 mixed (issue 14 item 4 inside the engine:
-#  identity with the FlashAttention prefix, then make it the default); kernelspeed (SSD's shared C B^T tiles of
-#  09e0763, `default_cb1` against `default_cb0`); TRAIN_MODELS="block mtp" train (heads, issue 16; at home its
-#  train_pair.json becomes train_pair_heads.json) then E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees;
-#  `kernels` (Mamba1 path_groups, issue 19); treegraphs.
+#       matrix (~500 s): the controller with its choice timed apart (`choose_ms`, d76e99c) and the forward's fit
+#       cached: at 192c57d its tree steps ran ~1 ms longer than the fixed budgets' (`controller.json`)
+#  12   gdnbench (~5 min: `gdn_tree.json`; FLA's serial baseline in chunks since 8e9f90a, it overflowed at B = 32,
+#       N = 128 at 192c57d; needs `install`)
+#  13   TRAIN_MODELS="block mtp" train (~230 s: the heads up to 200 s each since the 30th session; at home
+#       train_pair.json becomes train_pair_heads.json)
+#  14   PARALLEL=1 E2E_SECONDS=420 TREE_GRAPHS=1 E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees (~510 s)
+#  then, as time allows: VLLM_BOLE_FLASH_PREFIX=1 TARGETS_ONLY=1 BUDGETS=16 E2E_ONLY="ar/none bole_tree/draft_model"
+#  targets (the FlashAttention prefix's step time against 11's rows; identity: passed for Qwen3-Next bf16 at
+#  192c57d, fp32 engines keep the Triton prefix since 1a862d5); `kernels` (Mamba1, issue 19); treegraphs.
+# 2026-12-06 (30th session, 192c57d): an H100 at the first call; parts x9 (~25 s), `install unpack` (91 s), the
+# matrix as in 11 (503 s), gdnbench (108 s: FLA's baseline overflowed at B = 32, N = 128), VLLM_BOLE_FLASH_PREFIX=1
+# MIXED="nemotron_h qwen3_next" MIXED_SECONDS=400 mixed (136 s: NemotronH fp32 failed, FA refuses fp32; Qwen3-Next
+# passed), TRAIN_MODELS="block mtp" train (116 s), the heads' `trees` with E2E_SECONDS=420 (507 s); given back with
+# 192 s left.
 # 2026-12-06 (29th session, 897331f): a dozen refused or deferred calls (~810 s of budget), then an H200: bare torch
 # only, no bundle: GDN_PROBE_BATCHES="32 1" gdnkernel (416 s with the start: envelope 161/161), bench_mamba2_tree.py and
 # bench_tree_attention.py --quick (131 s), bench_gdn_tree.py --quick (no vLLM: failed at its serial baseline's
@@ -387,7 +389,7 @@ stage_install() {
 
 stage_train() {
     # the block and MTP heads after their target, side by side (~2-3 min more than the target and draft alone)
-    # TRAIN_MODELS="nemotron_h draft": the target and the draft only (~85 s less: the heads train after them);
+    # TRAIN_MODELS="nemotron_h draft": the target and the draft only (~205 s less: the heads train after them);
     # "nemotron_h draft distill": the draft then distilled from the trained target (~150 s more, the heads' phase)
     local models=()
     for m in ${TRAIN_MODELS:-nemotron_h draft block mtp}; do models+=(--model "$m"); done
