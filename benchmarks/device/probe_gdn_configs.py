@@ -3,10 +3,11 @@
 step. Per (B, N): one launch (commit and verification together) against two (commit alone, then
 verification alone: the launcher's choice for blocked trees since fbec640's probe), with V tiles of
 32 or 64 columns, V splits 1 (one program per request and head, V looped), ``v_splits``' and one
-program per tile, 4 or 8 warps (two launches: 4); the median time of each (CUDA graph), the launcher's
-default config (``default``), and the output's error against the float64 oracle. Each (B, N) runs in its own
+program per tile, 4 or 8 warps (two launches: 4), and for trees of 33-64 nodes fp32 operands in one 64-row block
+(``lowp`` false; the default's bf16 operands take two blocks of 32); the median time of each (CUDA graph), the
+launcher's default config (``default``), and the output's error against the float64 oracle. Each (B, N) runs in its own
 process (an illegal access ends only its row). Writes ``gdn_probe_configs.json`` (``rows``: ``B, N, launches,
-block_v, v_split, warps, ms, err, default``) where ``harness.write_results`` puts results.
+block_v, v_split, warps, lowp, ms, err, default``) where ``harness.write_results`` puts results.
     python benchmarks/device/probe_gdn_configs.py [--batches 1 8 32 128] [--nodes 16 64 128]
 """
 import argparse
@@ -50,14 +51,17 @@ def step(launches, **cfg):
 
 default_bv, default_nv = launch_config(B, Hv, V, state.device)
 default_launches = 2 if block_rows(N, K, True)[1] else 1  # blocked trees: commit and verification apart
-configs = []  # (launches, block_v, v_split, warps): two launches at 4 warps only
+configs = []  # (launches, block_v, v_split, warps, lowp): two launches at 4 warps only
 for bv in (32, 64):
     for nv in sorted({1, v_splits(B * Hv, V // bv, state.device), V // bv}):
-        configs += [(1, bv, nv, 4), (1, bv, nv, 8), (2, bv, nv, 4)]
-for launches, bv, nv, nw in configs:
-    row = dict(B=B, N=N, launches=launches, block_v=bv, v_split=nv, warps=nw,
-               default=(launches, bv, nv, nw) == (default_launches, default_bv, default_nv, 4))
-    cfg = dict(v_split=nv, num_warps=nw, block_v=bv)
+        configs += [(1, bv, nv, 4, True), (1, bv, nv, 8, True), (2, bv, nv, 4, True)]
+        # fp32 operands: trees of 33-64 nodes then run as ONE block of 64 rows in one launch (bf16 operands
+        # take two blocks of 32, a 64-row bf16 block having faulted on the H100)
+        configs += [(1, bv, nv, 4, False)] if block_rows(N, K, True)[1] and not block_rows(N, K, False)[1] else []
+for launches, bv, nv, nw, lowp in configs:
+    row = dict(B=B, N=N, launches=launches, block_v=bv, v_split=nv, warps=nw, lowp=lowp,
+               default=(launches, bv, nv, nw, lowp) == (default_launches, default_bv, default_nv, 4, True))
+    cfg = dict(v_split=nv, num_warps=nw, block_v=bv, lowp=lowp)
     try:
         gdn_step(q, k, v, g, beta, tree, state.clone(), slots, K ** -0.5, True, None, None, out, **cfg)
         torch.cuda.synchronize()

@@ -18,7 +18,9 @@
 #  13   TRAIN_MODELS="block mtp" train (~230 s: the heads up to 200 s each since the 30th session; at home
 #       train_pair.json becomes train_pair_heads.json)
 #  14   PARALLEL=1 E2E_SECONDS=420 TREE_GRAPHS=1 E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees (~510 s)
-#  then, as time allows: VLLM_BOLE_FLASH_PREFIX=1 TARGETS_ONLY=1 BUDGETS=16 E2E_ONLY="ar/none bole_tree/draft_model"
+#  then, as time allows: GDN_PROBE_BATCHES="32 1" GDN_PROBE_NODES="64 48" gdnprobe (~2 min: fp32 operands in one
+#  64-row block against bf16 ones in two blocks of 32 for trees of 33-64 nodes; if faster, the launcher's default);
+#  VLLM_BOLE_FLASH_PREFIX=1 TARGETS_ONLY=1 BUDGETS=16 E2E_ONLY="ar/none bole_tree/draft_model"
 #  targets (the FlashAttention prefix's step time against 11's rows; identity: passed for Qwen3-Next bf16 at
 #  192c57d, fp32 engines keep the Triton prefix since 1a862d5); `kernels` (Mamba1, issue 19); treegraphs.
 # 2026-12-06 (30th session, 192c57d): an H100 at the first call; parts x9 (~25 s), `install unpack` (91 s), the
@@ -544,12 +546,17 @@ stage_kernelspeed() {  # issue 14: the SSD and tree-attention kernels against th
 }
 
 stage_gdnkernel() {  # issue 14: the one-launch GDN step (commit + verification, the V loop inside, 2026-12-05): its
-    # launch configs against the two-launch layout at B = 1-128, N = 16-128 (gdn_probe_configs.json), then every tree
-    # kernel over the envelope (kernel_envelope.json); bare torch, no vLLM, ~4-6 min with the compilations
-    timeout 290 python3 benchmarks/device/probe_gdn_configs.py ${GDN_PROBE_BATCHES:+--batches $GDN_PROBE_BATCHES} \
-        > "$OUT/gdn_probe_configs.log" 2>&1
-    grep -v "^{" "$OUT/gdn_probe_configs.log" | tail -3 | cut -c1-200
+    # launch configs (`gdnprobe`), then every tree kernel over the envelope (kernel_envelope.json); bare torch, no
+    # vLLM, ~4-6 min with the compilations
+    stage_gdnprobe
     stage_envelope
+}
+
+stage_gdnprobe() {  # the GDN step's launch configs against the two-launch layout at B = 1-128, N = 16-128
+    # (gdn_probe_configs.json; GDN_PROBE_BATCHES / GDN_PROBE_NODES: fewer shapes, ~20-40 s each); bare torch
+    timeout 290 python3 benchmarks/device/probe_gdn_configs.py ${GDN_PROBE_BATCHES:+--batches $GDN_PROBE_BATCHES} \
+        ${GDN_PROBE_NODES:+--nodes $GDN_PROBE_NODES} > "$OUT/gdn_probe_configs.log" 2>&1
+    grep -v "^{" "$OUT/gdn_probe_configs.log" | tail -3 | cut -c1-200
 }
 
 stage_envelope() {  # every tree kernel over the envelope against its float64 reference (kernel_envelope.json), ~4 min
