@@ -20,6 +20,8 @@
 #  14   PARALLEL=1 E2E_SECONDS=420 TREE_GRAPHS=1 E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees (~510 s)
 #  then, as time allows: GDN_PROBE_BATCHES="32 1" GDN_PROBE_NODES="64 48" gdnprobe (~2 min: fp32 operands in one
 #  64-row block against bf16 ones in two blocks of 32 for trees of 33-64 nodes; if faster, the launcher's default);
+#  PARALLEL=1 E2E_SECONDS=420 TREE_GRAPHS=1 E2E_ONLY="ar/none bole_tree/draft_model/async" matrix (~450 s: the async
+#  engine's `"auto"` on every cell since the 30th session, temperature 1 included: T = 1 >= AR, issue 15);
 #  VLLM_BOLE_FLASH_PREFIX=1 TARGETS_ONLY=1 BUDGETS=16 E2E_ONLY="ar/none bole_tree/draft_model"
 #  targets (the FlashAttention prefix's step time against 11's rows; identity: passed for Qwen3-Next bf16 at
 #  192c57d, fp32 engines keep the Triton prefix since 1a862d5); `kernels` (Mamba1, issue 19); treegraphs.
