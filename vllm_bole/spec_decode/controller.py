@@ -295,11 +295,12 @@ class BudgetController:
         if kv.size != B:
             raise ValueError(f"kv_lens: {kv.size} lengths for {B} requests")
         ok = _host(valid)
-        lr = np.where(ok, _host(logrho).astype(np.float64), -math.inf)[:, 1:]  # the trees may be on the GPU
+        lr = np.where(ok[:, 1:], _host(logrho)[:, 1:].astype(np.float64, copy=False), -math.inf)  # on any device
         # each request's draft nodes by score (ties: slot order, as ``Slots.tree``'s cut); the first ``min`` are
         # taken first, then the batch by score
         order = np.argsort(-lr, axis=1, kind="stable")
-        key = np.take_along_axis(lr, order, axis=1)
+        rows = np.arange(B)[:, None]
+        key = lr[rows, order]
         flat = np.flatnonzero(key > -math.inf)  # row-major: (request, rank) ascending
         k_score = key.reshape(-1)[flat]
         k_req, k_rank = np.divmod(flat, key.shape[1])
@@ -307,13 +308,18 @@ class BudgetController:
         # stable: equal scores keep (request, rank) order
         g = np.lexsort((-k_score, later)) if self.min else np.argsort(-k_score, kind="stable")
         node_req, rho, forced = k_req[g], np.exp(k_score[g]), int(flat.size - later.sum())
-        n = np.arange(node_req.size + 1)
-        # the search each total leads to (:meth:`search_budget`) from its largest per-request budget (a request's
-        # nodes are taken in rank order)
-        reach = np.concatenate([[0], np.maximum.accumulate(k_rank[g] + 1)])
-        search = bounded_search(reach, self.cap or lr.shape[1])
-        expected = B + np.concatenate([[0.0], np.cumsum(rho)])
-        pairs = kv.sum() + B + np.concatenate([[0.0], np.cumsum(kv[node_req] + 1)])
+        N = node_req.size
+        n = np.arange(N + 1)
+        # per total of the first n nodes (index 0: none): the search it leads to (:meth:`search_budget`) from its
+        # largest per-request budget (a request's nodes are taken in rank order), expected tokens, (query, context)
+        # pairs
+        curves = np.zeros((3, N + 1))
+        np.maximum.accumulate(k_rank[g] + 1, out=curves[0, 1:], dtype=np.float64)
+        np.cumsum(rho, out=curves[1, 1:])
+        np.cumsum(kv[node_req] + 1, out=curves[2, 1:])
+        search = bounded_search(curves[0], self.cap or lr.shape[1])
+        expected = B + curves[1]
+        pairs = kv.sum() + B + curves[2]
         bucket = self.bucket(B + n)
         prior = self.template.prior.seconds(B, bucket, pairs, float(kv.sum()))
         cost = self.cost_model(B).seconds(bucket, prior)
@@ -338,7 +344,7 @@ class BudgetController:
         self.reach = int(budgets.max()) if B else 0
         keep = np.empty(ok.shape, dtype=bool)
         keep[:, 0] = ok[:, 0]
-        np.put_along_axis(keep[:, 1:], order, np.arange(lr.shape[1]) < budgets[:, None], axis=1)
+        keep[rows, 1 + order] = np.arange(lr.shape[1]) < budgets[:, None]
         return Choice(budgets=torch.from_numpy(budgets), total=best, bucket=int(bucket[best]),
                       predicted_s=float(cost[best]), prior_s=float(prior[best]), expected_tokens=float(expected[best]),
                       search=self.searching or lr.shape[1], keep=torch.from_numpy(keep))
