@@ -244,6 +244,14 @@ def block_rows(max_nodes: int, K: int, lowp: bool, block_r=None) -> tuple[int, b
     return BR, BT > BR
 
 
+def default_lowp(max_nodes: int, K: int, sixteen_bit: bool) -> bool:
+    """bf16 operands for 16-bit inputs, except trees of 33-64 nodes at K <= 128: fp32 operands in ONE 64-row
+    block beat bf16 ones in two blocks of 32 (``gdn_probe_configs.json`` at ad1f02e, H100, Qwen3-Next-80B
+    shapes: B = 32, 64 nodes 0.203 against 0.225 ms, 48 nodes 0.198 against 0.217; B = 1, 64 nodes 0.0197
+    against 0.0218 ms; error 0.0022 against 0.0037)."""
+    return sixteen_bit and not (MAX_BLOCK_R_LOWP < max_nodes <= MAX_BLOCK_R and K <= 128)
+
+
 def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pending=None, pending_idx=None, out=None,
              *, block_r=None, block_v=None, v_split=None, num_warps=None, lowp=None, inv_lowp=None, launches=None):
     """Launch ``gdn_step_kernel``; arguments as ``vllm_bole.gdn.gdn_tree_step``. ``tree=None``: the commit alone;
@@ -264,7 +272,7 @@ def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pen
     verification apart at B = 32), two for blocked trees (``launches``; 0.446 against 0.540 ms at B =
     32, 128 nodes; 0.042 against 0.047 at B = 1). 4 warps (8 were slower in all but one probed config).
     Pending paths in chunks of 32 tokens (16 for paths of <= 16). ``lowp`` (bf16 operands) defaults to
-    16-bit inputs, ``inv_lowp`` (bf16 inverse) to ``lowp``.
+    :func:`default_lowp`, ``inv_lowp`` (bf16 inverse) to ``lowp``.
     """
     import torch
 
@@ -272,7 +280,7 @@ def gdn_step(q, k, v, g, beta, tree, state, state_idx, scale, use_qk_l2norm, pen
     B = state_idx.numel()
     BV, NV = launch_config(B, Hv, V, state.device, block_v, v_split)
     if tree is not None and lowp is None:
-        lowp = v.element_size() == 2
+        lowp = default_lowp(tree.max_nodes, K, v.element_size() == 2)
     BR, multi, MW, T, steps, dscr = 16, False, 1, 0, 0, state
     if tree is not None:
         BR, multi = block_rows(tree.max_nodes, K, lowp, block_r)

@@ -127,6 +127,16 @@ def test_torch_closed_form_is_exact_in_float64():
     assert rel_err(o, o_ref) < 1e-10
 
 
+@pytest.mark.parametrize("nodes,K,sixteen_bit,expected", [(32, 128, True, True), (33, 128, True, False),
+                                                          (64, 128, True, False), (65, 128, True, True),
+                                                          (48, 256, True, True), (48, 128, False, False)])
+def test_default_operands(nodes, K, sixteen_bit, expected):
+    """bf16 operands for 16-bit inputs but fp32 ones in one 64-row block for 33-64-node trees at K <= 128."""
+    from csrc_triton.gdn_tree import block_rows, default_lowp
+    assert default_lowp(nodes, K, sixteen_bit) is expected
+    assert block_rows(nodes, K, expected)[1] is (nodes > 64 or (nodes > 32 and K > 128))
+
+
 def test_bad_kernels_is_rejected():
     with pytest.raises(ValueError, match="kernels: 'cuda' is not one of"):
         gdn_tree_step(None, None, None, None, None, None, torch.zeros(1, 1, 1, 1), torch.zeros(1), kernels="cuda")

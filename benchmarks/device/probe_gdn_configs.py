@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 CHILD = r"""
 import json, sys, torch, triton
 sys.path.insert(0, '.')
-from csrc_triton.gdn_tree import block_rows, gdn_step, launch_config, v_splits
+from csrc_triton.gdn_tree import block_rows, default_lowp, gdn_step, launch_config, v_splits
 from vllm_bole.gdn import PendingPath
 from vllm_bole.testing.oracles import gdn_tree_reference, random_tree_batch
 B, N = int(sys.argv[1]), int(sys.argv[2])
@@ -50,7 +50,8 @@ def step(launches, **cfg):
     return run
 
 default_bv, default_nv = launch_config(B, Hv, V, state.device)
-default_launches = 2 if block_rows(N, K, True)[1] else 1  # blocked trees: commit and verification apart
+default_lowp_ = default_lowp(N, K, True)
+default_launches = 2 if block_rows(N, K, default_lowp_)[1] else 1  # blocked trees: commit and verification apart
 configs = []  # (launches, block_v, v_split, warps, lowp): two launches at 4 warps only
 for bv in (32, 64):
     for nv in sorted({1, v_splits(B * Hv, V // bv, state.device), V // bv}):
@@ -60,7 +61,7 @@ for bv in (32, 64):
         configs += [(1, bv, nv, 4, False)] if block_rows(N, K, True)[1] and not block_rows(N, K, False)[1] else []
 for launches, bv, nv, nw, lowp in configs:
     row = dict(B=B, N=N, launches=launches, block_v=bv, v_split=nv, warps=nw, lowp=lowp,
-               default=(launches, bv, nv, nw, lowp) == (default_launches, default_bv, default_nv, 4, True))
+               default=(launches, bv, nv, nw, lowp) == (default_launches, default_bv, default_nv, 4, default_lowp_))
     cfg = dict(v_split=nv, num_warps=nw, block_v=bv, lowp=lowp)
     try:
         gdn_step(q, k, v, g, beta, tree, state.clone(), slots, K ** -0.5, True, None, None, out, **cfg)
