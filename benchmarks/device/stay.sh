@@ -562,7 +562,7 @@ stage_gdnprobe() {  # the GDN step's launch configs against the two-launch layou
 }
 
 stage_envelope() {  # every tree kernel over the envelope against its float64 reference (kernel_envelope.json), ~4 min
-    timeout 280 python3 benchmarks/device/check_kernels_envelope.py > "$OUT/kernel_envelope.log" 2>&1
+    timeout 420 python3 benchmarks/device/check_kernels_envelope.py > "$OUT/kernel_envelope.log" 2>&1
     tail -n 3 "$OUT/kernel_envelope.log" | cut -c1-200
 }
 

@@ -63,6 +63,12 @@ requests' context lengths and its measured step times.
   largest CUDA-graph size one token less) the slopes were fitted to noise, and on the H100 at 992f2cd the
   controller at c = 128 chose 2.6 nodes a request where budget 8 (5.7 chosen) gave 1.56x the tokens per
   second, its drafting line at 0.014 ms a node where the fixed budgets' runs differ by 0.0009.
+  Every choice runs the whole rule. Tried and not kept (the 31st session, after ``choose_ms`` on the H100 at
+  ad1f02e: 0.46-0.6 ms a step at c = 1 and 8, 0.7-0.9 at c = 32, 1.1-1.6 at c = 128, the cut included): a full
+  choice every 4th, the others reusing its threshold (nodes scoring at least its last one, within its largest
+  per-request budget and its token bucket). It saved 20-130 us a choice on the CPU (the per-request sort, the cut
+  and the Choice remain) and cost 0.3-1.5% of the tokens per second in ``tests/test_controller.py``'s closed
+  loops (its steps' node counts spread by the trees alone, the drafting and rest lines' slopes fit to noise).
   :meth:`BudgetController.search_budget` bounds the search the trees are cut from: ``SEARCH_GROWTH``
   (1.5) times the largest per-request budget chosen last (at least ``SEARCH_FLOOR``), the full cap before
   the first choice and before every exploring one. Seen on the H200 (198194b, c = 128): searching at the
