@@ -1,30 +1,32 @@
 #!/usr/bin/env bash
 # THE NEXT STAY, run by run (each within 30 s of the last; BOLE_COMMIT=<full sha of HEAD>: a run's own `git`
-# sees an older commit; the history and its reasons follow below). The bundle is FIVE parts of 43 MB and the
-# trained pair of 992f2cd is home (.pair/weights, 8 pieces: no training). With less than ~1500 s of device time
-# (refusals cost 15-90 s each) the short plan: the parts, `install unpack envelope`, the matrix, then `gdnbench`.
-#   1-4 carry .vllm-gpu/p00 (then p01, p02, p03)                                        parts  (run 1 starts it)
-#   5   carry .pair/weights/pair.sha256 .pair/weights/pair.txz.00 .pair/weights/pair.txz.01 .pair/weights/pair.txz.02  parts
-#   6   carry .pair/weights/pair.txz.03 .pair/weights/pair.txz.04 .pair/weights/pair.txz.05                     parts
-#   7   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                                   parts
-#   8   carry .pair/cache                                                                                    parts
-#   9   carry .pair/data                                                                                     parts
-#  10   carry .vllm-gpu/p04 .vllm-gpu/install.sh                                        install unpack  (~70 s)
-#  11   PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none bole_tree/draft_model"
-#       matrix (~500 s): the controller with its choice timed apart (`choose_ms`, d76e99c) and the forward's fit
-#       cached: at 192c57d its tree steps ran ~1 ms longer than the fixed budgets' (`controller.json`)
-#  12   gdnbench (~5 min: `gdn_tree.json`; FLA's serial baseline in chunks since 8e9f90a, it overflowed at B = 32,
-#       N = 128 at 192c57d; needs `install`)
-#  13   TRAIN_MODELS="block mtp" train (~230 s: the heads up to 200 s each since the 30th session; at home
+# sees an older commit; the history and its reasons follow below). The bundle is SIX parts of 36 MB since the 31st
+# session (the working tree is ~23.4 MB and a run carries at most 64 MiB with it: a 43 MB part left ~0.7 MB, and
+# three 16 MB weight pieces did not fit), the trained pair of 992f2cd is home (.pair/weights, 8 pieces: no
+# training). With less than ~1500 s of device time the short plan: the parts, `install unpack`, `envelope`, `gdnbench`.
+#   1-6 carry .vllm-gpu/p00 (then p01 .. p05)                                          parts  (run 1 starts it)
+#   7   carry .pair/weights/pair.sha256 .pair/weights/pair.txz.00 .pair/weights/pair.txz.01              parts
+#   8   carry .pair/weights/pair.txz.02 .pair/weights/pair.txz.03                                        parts
+#   9   carry .pair/weights/pair.txz.04 .pair/weights/pair.txz.05                                        parts
+#  10   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                             parts
+#  11   carry .pair/cache                                                                              parts
+#  12   carry .pair/data .vllm-gpu/install.sh                                          install unpack (~90 s)
+#  13   envelope (~300-420 s: the GDN launcher's default for 16-bit trees of 33-64 nodes changed to fp32
+#       operands in one 64-row block since ad1f02e, `default_lowp`; its 280 s timeout cut it at 158 of 161 rows)
+#  14   gdnbench (~190 s: `gdn_tree.json` with that default; B = 32, N = 64 was 0.212 ms, 3.41x, at ad1f02e)
+#  15   TRAIN_MODELS="block mtp" train (~230 s: the heads up to 200 s each since the 30th session; at home
 #       train_pair.json becomes train_pair_heads.json)
-#  14   PARALLEL=1 E2E_SECONDS=420 TREE_GRAPHS=1 E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees (~510 s)
-#  then, as time allows: GDN_PROBE_BATCHES="32 1" GDN_PROBE_NODES="64 48" gdnprobe (~2 min: fp32 operands in one
-#  64-row block against bf16 ones in two blocks of 32 for trees of 33-64 nodes; if faster, the launcher's default);
-#  PARALLEL=1 E2E_SECONDS=420 TREE_GRAPHS=1 E2E_ONLY="ar/none bole_tree/draft_model/async" matrix (~450 s: the async
-#  engine's `"auto"` on every cell since the 30th session, temperature 1 included: T = 1 >= AR, issue 15);
-#  VLLM_BOLE_FLASH_PREFIX=1 TARGETS_ONLY=1 BUDGETS=16 E2E_ONLY="ar/none bole_tree/draft_model"
-#  targets (the FlashAttention prefix's step time against 11's rows; identity: passed for Qwen3-Next bf16 at
-#  192c57d, fp32 engines keep the Triton prefix since 1a862d5); `kernels` (Mamba1, issue 19); treegraphs.
+#  16   PARALLEL=1 E2E_SECONDS=420 TREE_GRAPHS=1 E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees (~510 s)
+#  then, as time allows: PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
+#  bole_tree/draft_model bole_tree/draft_model/async" matrix (the controller again, after any change to it; at
+#  ad1f02e 0.86-1.06x its best fixed budget, the async engine's budget 8 1.92x AR at c = 1);
+#  VLLM_BOLE_FLASH_PREFIX=1 TARGETS_ONLY=1 BUDGETS=16 E2E_ONLY="ar/none bole_tree/draft_model" targets; `kernels`
+#  (Mamba1, issue 19); treegraphs.
+# 2026-12-06 (31st session, ad1f02e): an H100 at the first call; parts (the runs with 4 and 3 weight pieces were
+# refused, too large beside the working tree: carried again as 2 + 2 after `install`), `install unpack` (81 s, then
+# `unpack` 9 s), the matrix as planned (484 s), gdnbench (185 s, complete), the async matrix with E2E_SECONDS=420
+# (439 s), GDN_PROBE_BATCHES="32 1" GDN_PROBE_NODES="64 48" gdnprobe (114 s), host_micro.py (8 s), `envelope` (280 s,
+# cut by its timeout at 158 of 161 rows); given back with 48 s left.
 # 2026-12-06 (30th session, 192c57d): an H100 at the first call; parts x9 (~25 s), `install unpack` (91 s), the
 # matrix as in 11 (503 s), gdnbench (108 s: FLA's baseline overflowed at B = 32, N = 128), VLLM_BOLE_FLASH_PREFIX=1
 # MIXED="nemotron_h qwen3_next" MIXED_SECONDS=400 mixed (136 s: NemotronH fp32 failed, FA refuses fp32; Qwen3-Next
