@@ -124,8 +124,9 @@ def test_gdn_bf16_state(kernels):
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", ["N64", "N129"])
 def test_gdn_bf16_inputs_and_state(kernels, name):
-    """bf16 inputs (bf16 operands, emulated exactly in the interpreter) with a bf16 state, blocked trees
-    (64 nodes: two blocks of 32 with bf16 operands, the 64-row block faulted on the H100)."""
+    """bf16 inputs with a bf16 state: 64 nodes as one 64-row block with fp32 operands (``default_lowp``; a 64-row
+    block with bf16 operands faulted on the H100), 129 as blocks of 32 with bf16 operands (emulated exactly in the
+    interpreter)."""
     e_out, e_state = _gdn_case(_tree(name), kernels, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=6)
     assert e_out < 2e-2 and e_state < 1e-2
 
