@@ -843,7 +843,7 @@ class TreeRunnerMixin:
         if self._bole_budget is not None:
             self._bole_budget.emitted(P + tree.num_requests + sum(acc), {r: 1 + a for r, a in zip(step.req_ids, acc)})
             times = self._bole_budget.observe(P + tree.num_requests, step.tok_start + step.num_tokens,
-                                              float(step.prefix_len.sum()), launch_s, mixed=P > 0)
+                                              float(step.kv_tokens), launch_s, mixed=P > 0)
             if times is not None:
                 self._bole_metrics.observe("vllm:bole_step_predicted_seconds", times[0])
                 self._bole_metrics.observe("vllm:bole_step_measured_seconds", times[1])
@@ -988,7 +988,7 @@ class TreeRunnerMixin:
                         state_slots=state_slots, fresh=torch.from_numpy(prefix_np == 0), chain_len=chain,
                         max_kv_len=int(prefix_np.max()) + host_tree.max_nodes, kernels=self.bole_config.kernels,
                         state_slots_host={gid: s.tolist() for gid, s in zip(self._bole_recurrent, host_slots)},
-                        pending_rows=tables[-1] if prow else None, pending_rows_host=prow,
+                        pending_rows=tables[-1] if prow else None, pending_rows_host=prow, kv_tokens=int(prefix_np.sum()),
                         host=dict(prefix=prefix_np, tables={g: ib.block_table[g].block_table.np[rows] for g in groups})
                         if self._bole_graphs is not None else {})
         return step, pos, logits

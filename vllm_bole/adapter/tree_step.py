@@ -68,6 +68,7 @@ class TreeStep:
     pending_rows: torch.Tensor | None = None
     pending_rows_host: list[int] = field(default_factory=list)  # pending_rows on the host
     host: dict = field(default_factory=dict)  # with tree graphs: "prefix" [Bt], "tables" {group: [Bt, width]} (host)
+    kv_tokens: int = 0  # host: prefix_len's sum (the budget controller's context tokens, no device sync)
 
     @property
     def num_tokens(self) -> int:
