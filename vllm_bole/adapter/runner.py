@@ -69,7 +69,7 @@ from vllm_bole.spec_decode.ngram import NgramDrafter
 from vllm_bole.spec_decode.paged_draft import PagedDraftModel
 from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
 from vllm_bole.spec_decode.step import commit, draft_trees_async, verify_tree
-from vllm_bole.transfer import upload
+from vllm_bole.transfer import host_array, upload
 
 logger = logging.getLogger("vllm_bole")
 NGRAM_WINDOW = 4096  # context tokens the n-gram drafter searches (the most recent)
@@ -788,14 +788,16 @@ class TreeRunnerMixin:
             return SamplerOutput(sampled_token_ids=_token_grid(P, plain, res.output_token_ids).int(),
                                  logprobs_tensors=None)
         host = fetch()  # the forward has run
-        grid = _token_grid(P, plain, host.output_token_ids)
         logprobs = None
         if md.max_num_logprobs is not None:
-            logprobs = emitted_logprobs(self.sampler, self._bole_logprobs_mode, logits, P, step.host_tree, host, grid,
-                                        md.max_num_logprobs)
+            logprobs = emitted_logprobs(self.sampler, self._bole_logprobs_mode, logits, P, step.host_tree, host,
+                                        _token_grid(P, plain, host.output_token_ids), md.max_num_logprobs)
         self._bole_finish_step(step, host, P, launch_s)
         self._bole_timed("finish_s", time.perf_counter() - t1)
-        return SamplerOutput(sampled_token_ids=upload(grid, logits.device, torch.int32), logprobs_tensors=logprobs)
+        # the grid from the device's tokens, as vLLM's own sampler hands it over (not built on the host and uploaded
+        # again: ~90 us of host ops and a copy a step, a helper's profile)
+        return SamplerOutput(sampled_token_ids=_token_grid(P, plain, res.output_token_ids).int(),
+                             logprobs_tensors=logprobs)
 
     def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
         # async scheduling: vLLM's bookkeeping takes a grid of several tokens a row only beside its own
@@ -828,12 +830,12 @@ class TreeRunnerMixin:
                 self._bole_log("slow_steps", [self._bole_stats["tree_steps"], tree.num_requests, tree.num_nodes, P,
                                             graphs is not None and graphs.bucket is not None, round(1000 * fwd, 1),
                                             grown])
-        acc = host.num_accepted.tolist()
+        acc = [e - 1 for e in host.num_emitted.tolist()]  # accepted draft tokens (host lists: no torch op)
         st = self._bole_stats
         st["tree_steps"] += 1
         st["mixed_tree_steps"] += int(P > 0)
         st["verified_requests"] += tree.num_requests
-        st["drafted_nodes"] += int((step.host_tree.token_ids >= 0).sum()) - tree.num_requests
+        st["drafted_nodes"] += int((host_array(step.host_tree.token_ids) >= 0).sum()) - tree.num_requests
         st["accepted"] += sum(acc)
         for r, rid in enumerate(step.req_ids):
             self._bole_log("accept_log", (rid, step.chain_len[r], acc[r]))

@@ -48,10 +48,13 @@ def constrain(input_batch, step: TreeStep, logits: torch.Tensor, params: list) -
     ``params``: the tree requests' ``SamplingParams``."""
     ib = input_batch
     md = ib.sampling_metadata
+    min_tokens = any(p.min_tokens for p in params)
+    if (md.allowed_token_ids_mask is None and not md.bad_words_token_ids and md.no_penalties and not min_tokens
+            and not any(p.logit_bias for p in params)):
+        return logits  # nothing to apply (the usual step: no host work)
     tree = step.host_tree  # the bookkeeping on the host (no device syncs); logits stay where they are
     req = tree.request_index.long()
     rows = torch.tensor(step.rows, dtype=torch.long)[req]  # persistent-batch row of every node
-    min_tokens = any(p.min_tokens for p in params)
     ctx: list[list[int]] = []
     if md.bad_words_token_ids or not md.no_penalties or min_tokens:
         outs = [ib.token_ids_cpu[i, int(ib.num_prompt_tokens[i]) : int(ib.num_tokens_no_spec[i])].tolist()
