@@ -830,7 +830,7 @@ class TreeRunnerMixin:
                 self._bole_log("slow_steps", [self._bole_stats["tree_steps"], tree.num_requests, tree.num_nodes, P,
                                             graphs is not None and graphs.bucket is not None, round(1000 * fwd, 1),
                                             grown])
-        acc = [e - 1 for e in host.num_emitted.tolist()]  # accepted draft tokens (host lists: no torch op)
+        acc = host.num_accepted.tolist()
         st = self._bole_stats
         st["tree_steps"] += 1
         st["mixed_tree_steps"] += int(P > 0)
