@@ -146,3 +146,42 @@ def test_mtp_training_steps_on_the_texts_tokens():
         got = _head_logits(block, lm, h, x)
         for d in range(1, D + 1):
             torch.testing.assert_close(got[d - 1], lm(block(h.reshape(-1, H)).view(b, S, D, H)[:, : S - d, d - 1]))
+
+
+@pytest.mark.parametrize("make,kernels", [(_block, "torch"), (_mtp, "torch"), (_block, "triton")],
+                         ids=["block-torch", "mtp-torch", "block-triton"])  # the kernels: test_builders, test_vocab_topk
+def test_trees_searched_on_the_device_equal_the_host_search(make, kernels):
+    """``grow_trees_async`` (the heads' marginals and the best-first search queued on the heads' device,
+    the packed trees read at the end) equals ``best_first_slots`` over ``propose``'s candidates: ragged and
+    zero budgets, the ``max_budget`` edge, calibration factors, a shallower ``max_depth``, zero depths, a
+    smaller ``top_k``; the roots from pending tokens on the device (-1 padded, the last of each row's
+    count); a budget over ``max_budget`` takes the host search, with pending tokens too."""
+    from test_paged_draft import assert_same_slots
+
+    from vllm_bole.spec_decode.best_first import best_first_slots
+
+    head, lm = make(), _lm_head()
+    drafter, ref = HeadDrafter(head, lm, 4, max_budget=12, kernels=kernels), HeadDrafter(head, lm, 4, kernels=kernels)
+    g = torch.Generator().manual_seed(3)
+    B = 6
+    hists = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in (5, 1, 9, 3, 2, 7)]
+    roots = [h[-1] for h in hists]
+    cases = [([3, 12, 0, 7, 5, 1], [D, 2, D, 0, D + 3, 1], D, None), (12, [D] * B, 3, 2), (0, [D] * B, D, None),
+             ([1, 2, 3, 4, 5, 6], [0] * B, D, None), (13, [D] * B, D, None)]
+    for i, (budget, depths, max_depth, top_k) in enumerate(cases):
+        h = torch.randn(B, H, generator=g)
+        cal = torch.rand(65, 3, generator=g) * 2 if i % 2 else None
+        for pending in (None, "device"):
+            if pending:  # each row's new tokens after its history, the root the last of them
+                cnt = torch.randint(1, 4, (B,), generator=g)
+                tok = torch.randint(0, V, (B, 3), generator=g).masked_fill(torch.arange(3) >= cnt[:, None], -1)
+                pending, want_roots = (tok, cnt), tok.gather(1, (cnt - 1)[:, None]).squeeze(1).tolist()
+            else:
+                want_roots = roots
+            drafter.condition(h)
+            got = drafter.grow_trees_async(roots, hists, depths, budget, max_depth=max_depth, top_k=top_k,
+                                           calibration=cal, pending=pending)()
+            ref.condition(h)
+            want = best_first_slots(want_roots, ref.propose([[r] for r in want_roots], depths), budget,
+                                    max_depth=max_depth, top_k=top_k, calibration=cal)
+            assert_same_slots(got, want, atol=1e-12)  # scores: float64 sums in another order

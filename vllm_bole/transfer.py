@@ -11,12 +11,13 @@ only when its result is read.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import numpy as np
 import torch
 
-__all__ = ["download_async", "host_array", "upload", "upload_many"]
+__all__ = ["SideStream", "download_async", "host_array", "upload", "upload_many"]
 
 
 def upload(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -97,3 +98,25 @@ def unpack(buf: torch.Tensor, like, spans) -> list:
             step *= d
         out.append(whole.as_strided(t.shape, stride[::-1], whole.storage_offset() + o // t.element_size()))
     return out
+
+
+class SideStream:
+    """Where a drafter's launches behind a step run (:meth:`after`): on CUDA a stream of its own, so that the
+    host's next synchronisation of the current stream (vLLM reading the sampled tokens) does not wait for
+    them; elsewhere the current stream."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._stream = None
+
+    def after(self, tensors) -> contextlib.AbstractContextManager:
+        """A context whose launches run after the work queued so far on the current stream, reading the
+        device ``tensors`` (kept alive for that stream)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in tensors:
+            t.record_stream(self._stream)
+        return torch.cuda.stream(self._stream)

@@ -181,6 +181,7 @@ class TreeRunnerMixin:
         self._bole_booked: dict[str, int] = {}  # this step's draft tokens the scheduler booked per request
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
+        self._bole_sample_hidden = None  # the step's sample hidden states while sample_tokens runs (the heads)
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
@@ -252,7 +253,8 @@ class TreeRunnerMixin:
         top_k = min(cfg.top_k or cfg.num_speculative_tokens, MAX_TOP_K)
         if cfg.drafter in ("block", "mtp"):
             head = load_head(cfg.model, cfg.drafter, self.device, self.model_config.dtype)
-            self._bole_drafter = HeadDrafter(head, self.model.compute_logits, top_k)
+            self._bole_drafter = HeadDrafter(head, self.model.compute_logits, top_k,
+                                             max_budget=cfg.num_speculative_tokens, kernels=cfg.kernels)
             return
         if cfg.draft_runtime != "transformers":
             cls, beam = (PagedTreeDraftModel, dict(beam=cfg.draft_beam)) if cfg.draft_beam else (PagedDraftModel, {})
@@ -779,7 +781,7 @@ class TreeRunnerMixin:
                 head = torch.full((P, tokens.shape[1]), -1, dtype=tokens.dtype, device=tokens.device)
                 head[:, 0] = plain.sampled_token_ids[:P, 0]
                 tokens, counts = torch.cat([head, tokens]), torch.cat([torch.ones_like(counts[:1]).expand(P), counts])
-            self._bole_propose(None, pending=(tokens, counts), plain=P)
+            self._bole_propose(self._bole_sample_hidden, pending=(tokens, counts), plain=P)
             launch_s = time.perf_counter() - t1
             t1 += launch_s
         if self._bole_async and md.max_num_logprobs is None:  # the host work that needs the results: next step
@@ -864,7 +866,11 @@ class TreeRunnerMixin:
             self._bole_timed("between_s", t0 - self._bole_exec_end)
             self._bole_exec_end = 0.0
         state = getattr(self, "execute_model_state", None)
+        # the heads draft from the step's hidden states in _sample, behind the verification (vLLM's sample_tokens
+        # takes the state apart before it calls _sample)
+        self._bole_sample_hidden = state.sample_hidden_states if state is not None else None
         out = super().sample_tokens(grammar_output)
+        self._bole_sample_hidden = None
         if self._bole_async:  # drafted at the next step's settle, unless launched behind the verification
             if hasattr(out, "async_copy_ready_event"):  # vLLM's async output: the grid's copy to the host is queued
                 self._bole_sampled = (out.sampled_token_ids_cpu, out.async_copy_ready_event,

@@ -352,6 +352,10 @@ def best_first_slots(
     return grow(root, expand, caps, L, total_budget=total_budget, calibration=calibration)
 
 
+# the device search's (:func:`level_search_packed`) candidates per request and level at most, slots x (1 + top_k):
+# its [B, width, 6] float64 intermediates are ~0.2 GB at B = 1024 (the draft's largest bucket) and 4096; beyond it
+# the drafters search on the host
+SEARCH_WIDTH = 4096
 # the packed search state of :func:`level_search_packed`, one float64 per field and slot (exact: tokens and
 # slots are small integers, qprob a float32), and its empty slot and root slot (the root's token: the request's)
 PACKED_FIELDS = ("valid", "token", "parent", "depth", "kind", "logrho", "qprob")

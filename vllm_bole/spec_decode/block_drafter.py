@@ -31,14 +31,19 @@ Checkpoint: a directory with ``block_drafter.json`` (``kind`` block or mtp, ``hi
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import os
 from typing import Callable, Sequence
 
 import torch
 
+from vllm_bole.spec_decode.best_first import (SEARCH_WIDTH, Slots, best_first_slots, budgets, level_search_packed,
+                                              root_only_packed, unpack_slots)
 from vllm_bole.spec_decode.candidates import Candidates
-from vllm_bole.transfer import upload
+from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
+from vllm_bole.spec_decode.vocab_topk import vocab_topk
+from vllm_bole.transfer import SideStream, download_async, upload, upload_many
 
 CONFIG = "block_drafter.json"
 WEIGHTS = "block_drafter.safetensors"
@@ -165,11 +170,24 @@ def load_head(path: str, kind: str, device="cpu", dtype=torch.float32) -> _Head:
 
 class HeadDrafter:
     """A :class:`~vllm_bole.spec_decode.candidates.Drafter` over the target's hidden states: the runner
-    hands it each request's last hidden state (:meth:`condition`) before every ``propose``."""
+    hands it each request's last hidden state (:meth:`condition`) before every ``propose`` or
+    :meth:`grow_trees_async`.
 
-    def __init__(self, head: _Head, logits_fn: Logits, top_k: int):
-        self.head, self.logits_fn, self.top_k = head, logits_fn, int(top_k)
+    Its trees are searched on the device (:meth:`grow_trees_async`: the heads, the top-k of their
+    marginals and :func:`~vllm_bole.spec_decode.best_first.level_search_packed` queued behind the step,
+    only the packed trees copied to the host), equal to the host search over :meth:`propose`'s candidates.
+    Decision (H100, 516ffa5, ``e2e_throughput_heads.json``): the host path (candidates to the host, a
+    synchronisation, the best-first search in numpy) made a heads' tree step at c = 1 ~1.7 ms longer than the
+    paged draft model's, whose search already ran on the device."""
+
+    def __init__(self, head: _Head, logits_fn: Logits, top_k: int, max_budget: int = MAX_NODES - 1,
+                 kernels: str = "auto"):
+        if not 0 <= int(max_budget) < MAX_NODES:
+            raise ValueError(f"max_budget: {max_budget}, need 0 <= max_budget < {MAX_NODES}")
+        self.head, self.logits_fn, self.top_k, self.kernels = head, logits_fn, int(top_k), kernels
+        self.slots = int(max_budget) + 1  # the device search's slots per request (the root and the drafts)
         self._hidden: torch.Tensor | None = None
+        self._side = SideStream(next(head.parameters()).device)
 
     @property
     def runtime(self) -> str:
@@ -180,24 +198,78 @@ class HeadDrafter:
         """``hidden`` [B, H]: row ``b`` is the final hidden state that emitted request ``b``'s root."""
         self._hidden = hidden
 
+    def after(self, tensors) -> contextlib.AbstractContextManager:
+        """Where a launch reading the device ``tensors`` (pending tokens) and the conditioned hidden states
+        runs (:class:`~vllm_bole.transfer.SideStream`)."""
+        return self._side.after([*tensors, *(() if self._hidden is None else (self._hidden,))])
+
+    def _marginals(self, roots, depths: Sequence[int], max_depth: int | None = None):
+        """(probabilities fp32, tokens int64) ``[B, D, top_k]`` on the heads' device, depth ``d`` of a request
+        beyond its depth 0 / -1; ``D`` = the largest depth capped at the head's and ``max_depth``; ``roots``
+        [B] on the device (read by the MTP head only). None when ``D`` is 0."""
+        h, self._hidden = self._hidden, None
+        B, cap = len(depths), min(self.head.depth, self.head.depth if max_depth is None else int(max_depth))
+        dep = [max(min(int(d), cap), 0) for d in depths]
+        D = max(dep, default=0)
+        if D == 0:
+            return None
+        if h is None or h.shape[0] != B:
+            raise RuntimeError(f"{self.head.kind} drafter: condition() must give {B} hidden states before drafting "
+                               f"(got {None if h is None else tuple(h.shape)})")
+        logits = self.head.logits(h.to(self.head.dtype), roots, D, self.logits_fn)
+        k = min(self.top_k, logits.shape[-1])
+        probs, tokens = (x.view(B, D, k) for x in vocab_topk(logits.reshape(B * D, -1), k, self.kernels))
+        off = torch.arange(D, device=h.device)[None, :] >= upload(torch.tensor(dep), h.device)[:, None]
+        return probs.masked_fill(off[..., None], 0.0), tokens.masked_fill(off[..., None], -1)
+
     @torch.inference_mode()
     def propose(self, histories: Sequence, depths: Sequence[int], keys=None) -> Candidates:
         """Candidates ``[B, min(max(depths), head depth), top_k]`` on the CPU after each history's last
         token (the root)."""
-        h, self._hidden = self._hidden, None
         B = len(histories)
-        dep = torch.as_tensor(list(depths), dtype=torch.long).clamp(min=0, max=self.head.depth).reshape(B)
-        D = int(dep.max()) if B else 0
-        if D == 0:
+        roots = torch.tensor([int(x[-1]) if len(x) else 0 for x in histories])
+        dev = self._hidden.device if self._hidden is not None else roots.device
+        got = self._marginals(upload(roots, dev) if self.head.needs_roots else None, depths)
+        if got is None:
             return Candidates.empty(B, 0, self.top_k)
-        if h is None or h.shape[0] != B:
-            raise RuntimeError(f"{self.head.kind} drafter: condition() must give {B} hidden states before propose "
-                               f"(got {None if h is None else tuple(h.shape)})")
-        roots = upload(torch.tensor([int(x[-1]) if len(x) else 0 for x in histories]), h.device) \
-            if self.head.needs_roots else None
-        logits = self.head.logits(h.to(self.head.dtype), roots, D, self.logits_fn).float()
-        k = min(self.top_k, logits.shape[-1])
-        probs, tokens = logits.softmax(-1).topk(k, dim=-1)
-        probs, tokens = probs.cpu(), tokens.cpu()
-        off = torch.arange(D)[None, :] >= dep[:, None]  # [B, D] beyond the request's depth
-        return Candidates(tokens.masked_fill(off[..., None], -1), probs.masked_fill(off[..., None], 0.0))
+        return Candidates(got[1].cpu(), got[0].cpu())
+
+    @torch.inference_mode()
+    def grow_trees_async(self, roots, histories: Sequence, depths: Sequence[int], budget, *, keys=None,
+                         max_depth: int, top_k: int | None = None, calibration: torch.Tensor | None = None,
+                         pending=None) -> Callable[[], Slots]:
+        """The best-first trees of ``budget`` draft nodes (int or [B]) per request over the heads'
+        marginals, as the search's :class:`Slots` (CPU), returned by the callable this returns: searched
+        on the device now, read when it is called. Equal to
+        :func:`~vllm_bole.spec_decode.best_first.best_first_slots` of :meth:`propose` (same arguments). A
+        budget over ``max_budget`` or a search wider than ``SEARCH_WIDTH`` is searched on the host instead
+        (at once). ``pending`` (tokens ``[B, W]``, -1 padded, counts ``[B]``, on the device): each
+        request's tokens after its history that the host has not read yet; the roots are then the last
+        of them, taken on the device (``roots`` are not read)."""
+        B = len(histories)
+        caps = budgets(budget, B, "cpu")
+        k = min(int(top_k or self.top_k), self.top_k)
+        if (B and int(caps.max()) >= self.slots) or self.slots * (1 + k) > SEARCH_WIDTH:
+            if pending is not None:  # a host search needs the roots on the host
+                tok, cnt = (t.cpu() for t in pending)
+                roots = tok.gather(1, (cnt - 1)[:, None]).squeeze(1).tolist()
+                histories = [[r] for r in roots]  # propose reads each history's last token only
+            found = best_first_slots(roots, self.propose(histories, depths), caps, max_depth=max_depth, top_k=top_k,
+                                     calibration=calibration)
+            return lambda: found
+        dev = self._hidden.device if self._hidden is not None else torch.device("cpu")
+        if pending is not None:
+            tok, cnt = pending
+            root = tok.gather(1, (cnt - 1)[:, None]).squeeze(1).long()
+        else:
+            root = upload(torch.as_tensor(list(roots), dtype=torch.long).reshape(B), dev)
+        got = self._marginals(root, depths, max_depth)
+        if got is None:
+            tree = root_only_packed(root, self.slots)
+        else:
+            cal = torch.ones(MAX_DEPTH + 1, 3) if calibration is None else calibration.float()
+            caps_d, cal = upload_many([caps, cal], dev)
+            tree = level_search_packed(root, got[0][..., :k], got[1][..., :k], caps_d, self.slots, cal,
+                                       kernels=self.kernels)
+        read = download_async(tree)
+        return lambda: unpack_slots(read())

@@ -53,14 +53,14 @@ import numpy as np
 import torch
 
 from vllm_bole.attention.tree_attention import tree_attention
-from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, Slots, best_first_slots, budgets, level_search_packed,
-                                              root_only_packed, unpack_slots)
+from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, SEARCH_WIDTH, Slots, best_first_slots, budgets,
+                                              level_search_packed, root_only_packed, unpack_slots)
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
 from vllm_bole.spec_decode.vocab_topk import vocab_topk
-from vllm_bole.transfer import download_async, pack, unpack, upload
+from vllm_bole.transfer import SideStream, download_async, pack, unpack, upload
 
 __all__ = ["PagePool", "PagedDraftModel", "chain_mask", "paged_support", "with_pending"]
 logger = logging.getLogger("vllm_bole")
@@ -71,9 +71,6 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch size
 NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32}  # the step inputs' dtypes
 WORDS = (MAX_NODES + 31) // 32
 TOKEN = PACKED_FIELDS.index("token")  # the packed trees' token field
-# the device search's candidates per request and level at most, slots x (1 + top_k): its [B, width, 6]
-# float64 intermediates are ~0.2 GB at B = 1024 (the largest bucket) and 4096; beyond it the host searches
-SEARCH_WIDTH = 4096
 # history lengths of the prefill warm-up (:meth:`PagedDraftModel.warm_up`), beside a few just over the step's
 WARMUP_LENGTHS = (300, 1100, 2100)
 
@@ -258,7 +255,7 @@ class PagedDraftModel:
         self.graph_error: str | None = None
         self._graphs: dict = {}
         self._pool = None
-        self._stream = None  # CUDA: the stream of launches behind the current one's work (:meth:`after`)
+        self._side = SideStream(self.device)  # the launches behind the current stream's work (:meth:`after`)
 
     @property
     def runtime(self) -> str:
@@ -447,17 +444,8 @@ class PagedDraftModel:
         return 2 * len(lengths)
 
     def after(self, tensors) -> contextlib.AbstractContextManager:
-        """Where a launch reading the device ``tensors`` (pending tokens) runs: on CUDA the draft's own
-        stream, after the work queued so far on the current one (the tensors kept alive for it), so that
-        a later synchronisation of the current stream does not wait for the draft; elsewhere here."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        for t in tensors:
-            t.record_stream(self._stream)
-        return torch.cuda.stream(self._stream)
+        """Where a launch reading the device ``tensors`` (pending tokens) runs (:class:`SideStream`)."""
+        return self._side.after(tensors)
 
     def _graphs_failed(self, e: RuntimeError) -> None:
         """A capture was refused (e.g. a kernel that syncs): eager steps from now on, said once."""
