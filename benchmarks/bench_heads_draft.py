@@ -2,7 +2,8 @@
 over the heads' candidates (the runner's path up to 516ffa5: candidates copied to the host, a
 synchronisation, the best-first search in numpy) against the device search (``HeadDrafter.grow_trees_async``:
 heads, top-k and ``level_search_packed`` queued on the device, only the packed trees read), same process, same
-heads, same hidden states.
+heads, same hidden states; the device search launched op by op (``device_eager_ms``) and as one CUDA graph replay
+per batch bucket (``device_graph_ms``, the runner's path on CUDA).
 
 Shapes of the trained pair's heads (hidden 512, depth 8, SmolLM2's 49152-token vocabulary, top-k 8; random
 weights: speed depends on shapes only), bf16, the LM head a [V, H] matmul. Per batch size B and budget: the
@@ -46,6 +47,12 @@ def timed(fn, dev: torch.device, steps: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def same_trees(a, b) -> bool:
+    """Two searches' trees equal (tokens, parents, depths, sizes)."""
+    ta, tb = a.tree(), b.tree()
+    return all(torch.equal(getattr(ta, f).cpu(), getattr(tb, f).cpu()) for f in ("token_ids", "parent", "depth", "cu_nodes"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -72,25 +79,26 @@ def main() -> None:
             roots = torch.randint(0, VOCAB, (B,), generator=g).tolist()
             hists = [[r] for r in roots]
             for budget in args.budgets:
-                drafter = HeadDrafter(head, lm, TOP_K, max_budget=max(args.budgets))
+                eager, graphs = (HeadDrafter(head, lm, TOP_K, max_budget=max(args.budgets), cuda_graphs=g)
+                                 for g in (False, True))
 
                 def host():
-                    drafter.condition(h)
-                    return best_first_slots(roots, drafter.propose(hists, [DEPTH] * B), budget, max_depth=DEPTH)
+                    eager.condition(h)
+                    return best_first_slots(roots, eager.propose(hists, [DEPTH] * B), budget, max_depth=DEPTH)
 
-                def device():
+                def device(drafter):
                     drafter.condition(h)
                     return drafter.grow_trees_async(roots, hists, [DEPTH] * B, budget, max_depth=DEPTH)()
 
                 host_ms, a = timed(host, dev, args.steps)
-                dev_ms, b = timed(device, dev, args.steps)
-                ta, tb = a.tree(), b.tree()
-                same = all(torch.equal(getattr(ta, f).cpu(), getattr(tb, f).cpu())
-                           for f in ("token_ids", "parent", "depth", "cu_nodes"))
-                rows.append(dict(head=kind, B=B, budget=budget, host_ms=round(host_ms, 4), device_ms=round(dev_ms, 4),
-                                 host_over_device=round(host_ms / dev_ms, 2), same_trees=same))
-                print(f"{kind:5s} B={B:4d} budget={budget:3d}  host {host_ms:7.3f} ms  device {dev_ms:7.3f} ms  "
-                      f"x{host_ms / dev_ms:5.2f}  same trees {same}", flush=True)
+                eager_ms, b = timed(lambda: device(eager), dev, args.steps)
+                graph_ms, c = timed(lambda: device(graphs), dev, args.steps)
+                same = all(same_trees(a, x) for x in (b, c))
+                rows.append(dict(head=kind, B=B, budget=budget, host_ms=round(host_ms, 4),
+                                 device_eager_ms=round(eager_ms, 4), device_graph_ms=round(graph_ms, 4),
+                                 host_over_graph=round(host_ms / graph_ms, 2), graphs=graphs.runtime, same_trees=same))
+                print(f"{kind:5s} B={B:4d} budget={budget:3d}  host {host_ms:7.3f} ms  device eager {eager_ms:7.3f} ms"
+                      f"  graph {graph_ms:7.3f} ms  x{host_ms / graph_ms:5.2f}  same trees {same}", flush=True)
     shapes = dict(hidden=HIDDEN, vocab=VOCAB, depth=DEPTH, top_k=TOP_K, dtype=str(dtype).replace("torch.", ""),
                   steps=args.steps)
     if not args.quick:

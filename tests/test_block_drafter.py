@@ -185,3 +185,53 @@ def test_trees_searched_on_the_device_equal_the_host_search(make, kernels):
             want = best_first_slots(want_roots, ref.propose([[r] for r in want_roots], depths), budget,
                                     max_depth=max_depth, top_k=top_k, calibration=cal)
             assert_same_slots(got, want, atol=1e-12)  # scores: float64 sums in another order
+
+
+class _EagerGraph:
+    """A captured graph's stand-in without a GPU: replay runs the body again on the same static buffers."""
+
+    def __init__(self, run, device, pool):
+        self.replay = run
+
+
+def test_graph_path_on_cpu(monkeypatch):
+    """The CUDA-graph path's bookkeeping without a GPU (``capture_graph`` replaced by an eager replay of the
+    same body on the same static buffers, buckets of at most 4 rows): the trees equal the eager search's over
+    batches of 3, 1 and 4 rows (padding rows of the bucket, stale hidden states in them), pending roots, a
+    ``max_depth`` below the drafter's depth (eager); engine-start capture of every bucket to 3 rows; a refused
+    capture falls back to eager searches, said in ``runtime``."""
+    from test_paged_draft import assert_same_slots
+
+    from vllm_bole.spec_decode import block_drafter
+
+    monkeypatch.setattr(block_drafter, "BUCKETS", (1, 2, 4))
+    monkeypatch.setattr(block_drafter, "capture_graph", _EagerGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    head, lm = _mtp(), _lm_head()
+    graphs, eager = HeadDrafter(head, lm, 4, max_budget=10, depth=3), HeadDrafter(head, lm, 4, max_budget=10, depth=3)
+    graphs.cuda_graphs = True
+    assert graphs.capture_graphs(3) == 3 and sorted(graphs._graphs) == [1, 2, 4]
+    g = torch.Generator().manual_seed(5)
+    for B, max_depth, pend in ((3, 3, False), (1, 3, True), (4, 3, False), (3, 2, True)):
+        h, depths = torch.randn(B, H, generator=g), torch.randint(0, 5, (B,), generator=g).tolist()
+        roots, budget = torch.randint(0, V, (B,), generator=g).tolist(), torch.randint(0, 11, (B,), generator=g)
+        pending = (torch.tensor(roots)[:, None], torch.ones(B, dtype=torch.long)) if pend else None
+        got = []
+        for d in (graphs, eager):
+            d.condition(h)
+            got.append(d.grow_trees_async(roots, [[r] for r in roots], depths, budget, max_depth=max_depth,
+                                          pending=pending)())
+        assert_same_slots(*got, atol=1e-5)  # a padded bucket's matmuls round otherwise (~1e-6)
+    assert graphs.cuda_graphs and sorted(graphs._graphs) == [1, 2, 4]
+
+    def refused(run, device, pool):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(block_drafter, "capture_graph", refused)
+    graphs._graphs.clear()
+    graphs.condition(h)
+    got = graphs.grow_trees_async(roots, [[r] for r in roots], [3] * B, 6, max_depth=3)()
+    eager.condition(h)
+    assert_same_slots(got, eager.grow_trees_async(roots, [[r] for r in roots], [3] * B, 6, max_depth=3)(), atol=1e-5)
+    assert not graphs.cuda_graphs and graphs.runtime.endswith("(eager: RuntimeError: operation not permitted when "
+                                                              "stream is capturing)")

@@ -253,7 +253,7 @@ class TreeRunnerMixin:
         top_k = min(cfg.top_k or cfg.num_speculative_tokens, MAX_TOP_K)
         if cfg.drafter in ("block", "mtp"):
             head = load_head(cfg.model, cfg.drafter, self.device, self.model_config.dtype)
-            self._bole_drafter = HeadDrafter(head, self.model.compute_logits, top_k,
+            self._bole_drafter = HeadDrafter(head, self.model.compute_logits, top_k, depth=cfg.depth,
                                              max_budget=cfg.num_speculative_tokens, kernels=cfg.kernels)
             return
         if cfg.draft_runtime != "transformers":

@@ -38,12 +38,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_bole.spec_decode.best_first import (SEARCH_WIDTH, Slots, best_first_slots, budgets, level_search_packed,
-                                              root_only_packed, unpack_slots)
+from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, SEARCH_WIDTH, Slots, best_first_slots, budgets,
+                                              level_search_packed, root_only_packed, unpack_slots)
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
+from vllm_bole.spec_decode.step_graphs import BUCKETS, bucket, capture_graph, graph_refused
 from vllm_bole.spec_decode.vocab_topk import vocab_topk
-from vllm_bole.transfer import SideStream, download_async, upload, upload_many
+from vllm_bole.transfer import SideStream, download_async, pack, unpack, upload, upload_many
 
 CONFIG = "block_drafter.json"
 WEIGHTS = "block_drafter.safetensors"
@@ -175,24 +176,35 @@ class HeadDrafter:
 
     Its trees are searched on the device (:meth:`grow_trees_async`: the heads, the top-k of their
     marginals and :func:`~vllm_bole.spec_decode.best_first.level_search_packed` queued behind the step,
-    only the packed trees copied to the host), equal to the host search over :meth:`propose`'s candidates.
-    Decision (H100, 516ffa5, ``e2e_throughput_heads.json``): the host path (candidates to the host, a
-    synchronisation, the best-first search in numpy) made a heads' tree step at c = 1 ~1.7 ms longer than the
-    paged draft model's, whose search already ran on the device."""
+    only the packed trees copied to the host; on CUDA one graph replay per batch bucket), equal to the host
+    search over :meth:`propose`'s candidates. Decision (H100, 516ffa5, ``e2e_throughput_heads.json``): the
+    host path (candidates to the host, a synchronisation, the best-first search in numpy) made a heads' tree
+    step at c = 1 ~1.7 ms longer than the paged draft model's, whose search already ran on the device; the
+    search launched op by op still took ~1.15 ms of host time at every batch (``heads_draft.json``, 4b5e8fe).
+    ``depth``: the depth the runner drafts (capped at the head's), the graphs' fixed depth. The graphs' pool
+    holds the largest captured bucket's logits, ``[B, depth, V]`` in the head's dtype (the eager search
+    allocates them too)."""
 
     def __init__(self, head: _Head, logits_fn: Logits, top_k: int, max_budget: int = MAX_NODES - 1,
-                 kernels: str = "auto"):
+                 depth: int | None = None, kernels: str = "auto", cuda_graphs: bool = True):
         if not 0 <= int(max_budget) < MAX_NODES:
             raise ValueError(f"max_budget: {max_budget}, need 0 <= max_budget < {MAX_NODES}")
         self.head, self.logits_fn, self.top_k, self.kernels = head, logits_fn, int(top_k), kernels
+        self.depth = min(head.depth, head.depth if depth is None else int(depth))
         self.slots = int(max_budget) + 1  # the device search's slots per request (the root and the drafts)
         self._hidden: torch.Tensor | None = None
-        self._side = SideStream(next(head.parameters()).device)
+        self.device = next(head.parameters()).device
+        self._side = SideStream(self.device)
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.graph_error: str | None = None
+        self._graphs: dict = {}  # batch bucket -> (graph, static buffers)
+        self._pool = None
 
     @property
     def runtime(self) -> str:
         """How it drafts (the engine's start-up line)."""
-        return f"{self.head.kind} heads on the target's hidden state, depth {self.head.depth}"
+        how = "CUDA graphs" if self.cuda_graphs else f"eager{f': {self.graph_error}' if self.graph_error else ''}"
+        return f"{self.head.kind} heads on the target's hidden state, depth {self.head.depth}, search on the device ({how})"
 
     def condition(self, hidden: torch.Tensor) -> None:
         """``hidden`` [B, H]: row ``b`` is the final hidden state that emitted request ``b``'s root."""
@@ -203,36 +215,47 @@ class HeadDrafter:
         runs (:class:`~vllm_bole.transfer.SideStream`)."""
         return self._side.after([*tensors, *(() if self._hidden is None else (self._hidden,))])
 
-    def _marginals(self, roots, depths: Sequence[int], max_depth: int | None = None):
-        """(probabilities fp32, tokens int64) ``[B, D, top_k]`` on the heads' device, depth ``d`` of a request
-        beyond its depth 0 / -1; ``D`` = the largest depth capped at the head's and ``max_depth``; ``roots``
-        [B] on the device (read by the MTP head only). None when ``D`` is 0."""
+    def _take_hidden(self, B: int, D: int) -> torch.Tensor | None:
+        """The conditioned hidden states ``[B, H]`` in the head's dtype (None when nothing is drafted, ``D`` 0),
+        forgotten here: each drafting call needs its own."""
         h, self._hidden = self._hidden, None
-        B, cap = len(depths), min(self.head.depth, self.head.depth if max_depth is None else int(max_depth))
-        dep = [max(min(int(d), cap), 0) for d in depths]
-        D = max(dep, default=0)
         if D == 0:
             return None
         if h is None or h.shape[0] != B:
             raise RuntimeError(f"{self.head.kind} drafter: condition() must give {B} hidden states before drafting "
                                f"(got {None if h is None else tuple(h.shape)})")
-        logits = self.head.logits(h.to(self.head.dtype), roots, D, self.logits_fn)
+        return h.to(self.head.dtype)
+
+    def _marginals(self, h, root, dep, D: int):
+        """(probabilities fp32, tokens int64) ``[B, D, top_k]``: the heads' top-k of depths ``1 .. D`` from hidden
+        states ``h`` [B, H] after roots ``root`` [B] (read by the MTP head), a request's depths beyond ``dep`` [B]
+        cut (0, -1). Device tensors only, no host synchronisation (a graph's body)."""
+        B = h.shape[0]
+        logits = self.head.logits(h, root, D, self.logits_fn)
         k = min(self.top_k, logits.shape[-1])
         probs, tokens = (x.view(B, D, k) for x in vocab_topk(logits.reshape(B * D, -1), k, self.kernels))
-        off = torch.arange(D, device=h.device)[None, :] >= upload(torch.tensor(dep), h.device)[:, None]
-        return probs.masked_fill(off[..., None], 0.0), tokens.masked_fill(off[..., None], -1)
+        cut = (torch.arange(D, device=h.device)[None, :] >= dep[:, None])[..., None]
+        return probs.masked_fill(cut, 0.0), tokens.masked_fill(cut, -1)
+
+    def _search(self, h, root, dep, caps, cal, D: int, k: int) -> torch.Tensor:
+        """:meth:`_marginals`' best-first trees ``[B, slots, PACKED_FIELDS]`` float64 over their first ``k``
+        candidates, ``caps`` [B] draft nodes, ``cal`` [MAX_DEPTH + 1, 3] factors; no host synchronisation."""
+        probs, tokens = self._marginals(h, root, dep, D)
+        return level_search_packed(root, probs[..., :k], tokens[..., :k], caps, self.slots, cal, kernels=self.kernels)
 
     @torch.inference_mode()
     def propose(self, histories: Sequence, depths: Sequence[int], keys=None) -> Candidates:
         """Candidates ``[B, min(max(depths), head depth), top_k]`` on the CPU after each history's last
         token (the root)."""
         B = len(histories)
-        roots = torch.tensor([int(x[-1]) if len(x) else 0 for x in histories])
-        dev = self._hidden.device if self._hidden is not None else roots.device
-        got = self._marginals(upload(roots, dev) if self.head.needs_roots else None, depths)
-        if got is None:
+        dep = [max(min(int(d), self.head.depth), 0) for d in depths]
+        h = self._take_hidden(B, max(dep, default=0))
+        if h is None:
             return Candidates.empty(B, 0, self.top_k)
-        return Candidates(got[1].cpu(), got[0].cpu())
+        roots = torch.tensor([int(x[-1]) if len(x) else 0 for x in histories])
+        root, dep_d = upload_many([roots, torch.tensor(dep)], h.device)
+        probs, tokens = self._marginals(h, root, dep_d, max(dep))
+        return Candidates(tokens.cpu(), probs.cpu())
 
     @torch.inference_mode()
     def grow_trees_async(self, roots, histories: Sequence, depths: Sequence[int], budget, *, keys=None,
@@ -240,7 +263,8 @@ class HeadDrafter:
                          pending=None) -> Callable[[], Slots]:
         """The best-first trees of ``budget`` draft nodes (int or [B]) per request over the heads'
         marginals, as the search's :class:`Slots` (CPU), returned by the callable this returns: searched
-        on the device now, read when it is called. Equal to
+        on the device now (on CUDA a graph replay when ``max_depth`` caps at the drafter's ``depth`` and
+        ``top_k`` its own), read when it is called. Equal to
         :func:`~vllm_bole.spec_decode.best_first.best_first_slots` of :meth:`propose` (same arguments). A
         budget over ``max_budget`` or a search wider than ``SEARCH_WIDTH`` is searched on the host instead
         (at once). ``pending`` (tokens ``[B, W]``, -1 padded, counts ``[B]``, on the device): each
@@ -257,19 +281,76 @@ class HeadDrafter:
             found = best_first_slots(roots, self.propose(histories, depths), caps, max_depth=max_depth, top_k=top_k,
                                      calibration=calibration)
             return lambda: found
-        dev = self._hidden.device if self._hidden is not None else torch.device("cpu")
+        cap = min(self.head.depth, int(max_depth))
+        dep = [max(min(int(d), cap), 0) for d in depths]
+        h = self._take_hidden(B, max(dep, default=0))
         if pending is not None:
             tok, cnt = pending
             root = tok.gather(1, (cnt - 1)[:, None]).squeeze(1).long()
         else:
-            root = upload(torch.as_tensor(list(roots), dtype=torch.long).reshape(B), dev)
-        got = self._marginals(root, depths, max_depth)
-        if got is None:
+            root = upload(torch.as_tensor(list(roots), dtype=torch.long).reshape(B), self.device)
+        cal = torch.ones(MAX_DEPTH + 1, 3) if calibration is None else calibration.float()
+        tree = None
+        if h is None:
             tree = root_only_packed(root, self.slots)
-        else:
-            cal = torch.ones(MAX_DEPTH + 1, 3) if calibration is None else calibration.float()
-            caps_d, cal = upload_many([caps, cal], dev)
-            tree = level_search_packed(root, got[0][..., :k], got[1][..., :k], caps_d, self.slots, cal,
-                                       kernels=self.kernels)
+        elif self.cuda_graphs and cap == self.depth and k == self.top_k and B <= BUCKETS[-1]:
+            try:
+                tree = self._replay(h, root, dep, caps, cal)
+            except RuntimeError as e:
+                self.cuda_graphs, self.graph_error = False, graph_refused(e, "the heads' searches")
+        if tree is None:
+            dep_d, caps_d, cal_d = upload_many([torch.tensor(dep), caps, cal], self.device)
+            tree = self._search(h, root, dep_d, caps_d, cal_d, max(dep), k)
         read = download_async(tree)
         return lambda: unpack_slots(read())
+
+    def _graph(self, B: int):
+        """(graph, static buffers) of :meth:`_search` at the drafter's ``depth`` for a batch bucket of ``B`` rows:
+        the buffers hold every tensor the graph reads; ``inputs`` packs ``root``, ``dep``, ``caps`` and ``cal``
+        (one copy a call)."""
+        if B not in self._graphs:
+            like = [torch.empty(B, dtype=torch.long)] * 3 + [torch.empty(MAX_DEPTH + 1, 3)]
+            host, spans = pack(like)
+            packed = torch.zeros_like(host, device=self.device)
+            bufs = dict(zip(("root", "dep", "caps", "cal"), unpack(packed, like, spans)), inputs=packed,
+                        h=torch.zeros(B, self.head.hidden_size, dtype=self.head.dtype, device=self.device),
+                        tree=torch.zeros(B, self.slots, len(PACKED_FIELDS), dtype=torch.float64, device=self.device))
+            bufs["cal"].fill_(1.0)
+
+            def run():
+                bufs["tree"].copy_(self._search(bufs["h"], bufs["root"], bufs["dep"], bufs["caps"], bufs["cal"],
+                                                self.depth, self.top_k))
+
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._graphs[B] = (capture_graph(run, self.device, self._pool), bufs)
+        return self._graphs[B]
+
+    def _replay(self, h, root, dep: list, caps: torch.Tensor, cal: torch.Tensor) -> torch.Tensor:
+        """:meth:`_search`'s trees ``[n, slots, PACKED_FIELDS]`` (a view of the bucket's buffer) through the
+        graph of the bucket holding the ``n`` rows of ``h``; padding rows draft nothing."""
+        n = h.shape[0]
+        graph, bufs = self._graph(bucket(n, BUCKETS))
+        B = bufs["h"].shape[0]
+        pad = lambda x: torch.cat([x, x.new_zeros(B - n)])  # noqa: E731
+        host, _ = pack([torch.zeros(B, dtype=torch.long), pad(torch.tensor(dep)), pad(caps), cal],
+                       pin=self.device.type == "cuda")
+        bufs["inputs"].copy_(host, non_blocking=True)
+        bufs["root"][:n].copy_(root)
+        bufs["h"][:n].copy_(h)
+        graph.replay()
+        return bufs["tree"][:n]
+
+    def capture_graphs(self, max_batch: int) -> int:
+        """Capture the graph of every batch bucket up to the one holding ``max_batch`` rows now (engine start)
+        instead of at each bucket's first use inside a step. Returns the buckets captured (0: eager)."""
+        if not self.cuda_graphs:
+            return 0
+        top = bucket(max_batch, BUCKETS)
+        try:
+            for b in BUCKETS[: BUCKETS.index(top) + 1]:
+                self._graph(b)
+        except RuntimeError as e:
+            self.cuda_graphs, self.graph_error = False, graph_refused(e, "the heads' searches")
+            return 0
+        return len(self._graphs)

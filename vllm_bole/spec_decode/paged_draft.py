@@ -58,6 +58,7 @@ from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, SEARCH_WIDTH, Slots
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
+from vllm_bole.spec_decode.step_graphs import BUCKETS, bucket, capture_graph, graph_refused
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
 from vllm_bole.spec_decode.vocab_topk import vocab_topk
 from vllm_bole.transfer import SideStream, download_async, pack, unpack, upload
@@ -67,7 +68,6 @@ logger = logging.getLogger("vllm_bole")
 
 PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK = MAX_NODES  # catch-up tokens per request and forward (the tree-attention kernel's limit)
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # CUDA-graph batch sizes of the step
 NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32}  # the step inputs' dtypes
 WORDS = (MAX_NODES + 31) // 32
 TOKEN = PACKED_FIELDS.index("token")  # the packed trees' token field
@@ -396,20 +396,9 @@ class PagedDraftModel:
             dev, steps = self.device, self.depth - 1
             bufs = self._buffers(B, steps, search=self.device_search)
 
-            def run():
-                self._step(bufs, steps, self.width * self.pool.page_size)
-
-            side = torch.cuda.Stream(dev)  # warm-up (compilation) outside the capture, as torch recommends
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                run()
-                run()
-            torch.cuda.current_stream(dev).wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                run()
+            graph = capture_graph(lambda: self._step(bufs, steps, self.width * self.pool.page_size), dev, self._pool)
             self._graphs[B] = (graph, bufs)
         return self._graphs[B]
 
@@ -419,7 +408,7 @@ class PagedDraftModel:
         captured (0: eager)."""
         if not self.cuda_graphs:
             return 0
-        top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
+        top = bucket(max_batch, BUCKETS)
         try:
             for b in BUCKETS[: BUCKETS.index(top) + 1]:
                 self._step_graph(b)
@@ -449,8 +438,7 @@ class PagedDraftModel:
 
     def _graphs_failed(self, e: RuntimeError) -> None:
         """A capture was refused (e.g. a kernel that syncs): eager steps from now on, said once."""
-        self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
-        logger.warning("vllm-bole: draft steps run eagerly: CUDA graph capture failed (%s)", self.graph_error)
+        self.cuda_graphs, self.graph_error = False, graph_refused(e, "draft steps")
 
     # ------------------------------------------------------------------ the drafter
     def release(self, keys: Sequence) -> None:
@@ -670,7 +658,7 @@ class PagedDraftModel:
         out = []
         for s in range(0, len(live), BUCKETS[-1]):
             e = min(len(live), s + BUCKETS[-1])
-            graph, bufs = self._step_graph(next(b for b in BUCKETS if b >= e - s))
+            graph, bufs = self._step_graph(bucket(e - s, BUCKETS))
             part = search and {k: v if k == "cal" else v[s:e] for k, v in search.items()}
             self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e], part,
                        pending and (pending[0][s:e], pending[1][s:e]))
