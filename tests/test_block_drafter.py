@@ -204,7 +204,7 @@ def test_graph_path_on_cpu(monkeypatch):
 
     from vllm_bole.spec_decode import block_drafter
 
-    monkeypatch.setattr(block_drafter, "BUCKETS", (1, 2, 4))
+    monkeypatch.setattr(HeadDrafter, "buckets", (1, 2, 4))
     monkeypatch.setattr(block_drafter, "capture_graph", _EagerGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     head, lm = _mtp(), _lm_head()

@@ -163,11 +163,10 @@ def _drafter_pair(path: str, graphs: bool, monkeypatch, beam: int = 0):
     """Two paged drafters of the Llama at ``path`` (budget 12, top 4, depth 5; ``beam``: drafting trees node by
     node): the one under test, through the graph path's static buffers and batch buckets when ``graphs``
     (replayed eagerly), and a reference."""
-    from vllm_bole.spec_decode import paged_draft
     from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
 
     if graphs:
-        monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4, 8))
+        monkeypatch.setattr(PagedDraftModel, "buckets", (1, 2, 4, 8))
         monkeypatch.setattr(PagedDraftModel, "_step_graph", _eager_graph)
     cls, more = (PagedTreeDraftModel, dict(beam=beam)) if beam else (PagedDraftModel, {})
     pd, ref = (cls(path, top_k=4, max_len=256, depth=5, max_requests=6, kernels="torch", max_budget=12,
@@ -221,9 +220,8 @@ def test_graph_replay_path_on_cpu(tiny, monkeypatch):
     the same body on the same static buffers, batch buckets of at most 4 rows (5 requests: a bucket
     of 4, then one of 1 with no padding; 3 requests: one padded bucket of 4), cap-length keys; the
     candidates stay the transformers drafter's over four steps."""
-    from vllm_bole.spec_decode import paged_draft
 
-    monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4))
+    monkeypatch.setattr(PagedDraftModel, "buckets", (1, 2, 4))
     monkeypatch.setattr(PagedDraftModel, "_step_graph", _eager_graph)
     path = str(tiny["llama"])
     ref = HFDraftModel(path, top_k=3)
@@ -393,11 +391,10 @@ def test_tree_drafting_equals_transformers(peaked, kernels, path, monkeypatch):
     buffers and batch buckets, replayed eagerly: fixed shapes, ``beam`` lanes per request and level) or
     on the host (``host``: budgets over ``max_budget``, one forward of the frontier nodes per level). The
     draft is peaked (trees to depth 4, so the beam binds and ancestor bits span levels)."""
-    from vllm_bole.spec_decode import paged_draft
     from vllm_bole.spec_decode.paged_tree_draft import PagedTreeDraftModel
 
     if path == "graphs":
-        monkeypatch.setattr(paged_draft, "BUCKETS", (1, 2, 4, 8))
+        monkeypatch.setattr(PagedDraftModel, "buckets", (1, 2, 4, 8))
         monkeypatch.setattr(PagedDraftModel, "_step_graph", _eager_graph)
     ref = HFDraftModel(peaked, top_k=3)
     pd = PagedTreeDraftModel(peaked, top_k=3, max_len=256, depth=4, beam=2, max_requests=5, kernels=kernels,

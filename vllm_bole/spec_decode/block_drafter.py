@@ -42,7 +42,7 @@ from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, SEARCH_WIDTH, Slots
                                               level_search_packed, root_only_packed, unpack_slots)
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
-from vllm_bole.spec_decode.step_graphs import BUCKETS, bucket, capture_graph, graph_refused
+from vllm_bole.spec_decode.step_graphs import GraphedStep, bucket, capture_graph
 from vllm_bole.spec_decode.vocab_topk import vocab_topk
 from vllm_bole.transfer import SideStream, download_async, pack, unpack, upload, upload_many
 
@@ -169,7 +169,7 @@ def load_head(path: str, kind: str, device="cpu", dtype=torch.float32) -> _Head:
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-class HeadDrafter:
+class HeadDrafter(GraphedStep):
     """A :class:`~vllm_bole.spec_decode.candidates.Drafter` over the target's hidden states: the runner
     hands it each request's last hidden state (:meth:`condition`) before every ``propose`` or
     :meth:`grow_trees_async`.
@@ -185,6 +185,8 @@ class HeadDrafter:
     holds the largest captured bucket's logits, ``[B, depth, V]`` in the head's dtype (the eager search
     allocates them too)."""
 
+    graphs_of = "the heads' searches"
+
     def __init__(self, head: _Head, logits_fn: Logits, top_k: int, max_budget: int = MAX_NODES - 1,
                  depth: int | None = None, kernels: str = "auto", cuda_graphs: bool = True):
         if not 0 <= int(max_budget) < MAX_NODES:
@@ -195,16 +197,13 @@ class HeadDrafter:
         self._hidden: torch.Tensor | None = None
         self.device = next(head.parameters()).device
         self._side = SideStream(self.device)
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self.graph_error: str | None = None
-        self._graphs: dict = {}  # batch bucket -> (graph, static buffers)
-        self._pool = None
+        self._init_graphs(self.device, cuda_graphs)
 
     @property
     def runtime(self) -> str:
         """How it drafts (the engine's start-up line)."""
-        how = "CUDA graphs" if self.cuda_graphs else f"eager{f': {self.graph_error}' if self.graph_error else ''}"
-        return f"{self.head.kind} heads on the target's hidden state, depth {self.head.depth}, search on the device ({how})"
+        return (f"{self.head.kind} heads on the target's hidden state, depth {self.head.depth}, search on the device "
+                f"({self.graphs_runtime})")
 
     def condition(self, hidden: torch.Tensor) -> None:
         """``hidden`` [B, H]: row ``b`` is the final hidden state that emitted request ``b``'s root."""
@@ -293,18 +292,18 @@ class HeadDrafter:
         tree = None
         if h is None:
             tree = root_only_packed(root, self.slots)
-        elif self.cuda_graphs and cap == self.depth and k == self.top_k and B <= BUCKETS[-1]:
+        elif self.cuda_graphs and cap == self.depth and k == self.top_k and B <= self.buckets[-1]:
             try:
                 tree = self._replay(h, root, dep, caps, cal)
             except RuntimeError as e:
-                self.cuda_graphs, self.graph_error = False, graph_refused(e, "the heads' searches")
+                self._graphs_failed(e)
         if tree is None:
             dep_d, caps_d, cal_d = upload_many([torch.tensor(dep), caps, cal], self.device)
             tree = self._search(h, root, dep_d, caps_d, cal_d, max(dep), k)
         read = download_async(tree)
         return lambda: unpack_slots(read())
 
-    def _graph(self, B: int):
+    def _step_graph(self, B: int):
         """(graph, static buffers) of :meth:`_search` at the drafter's ``depth`` for a batch bucket of ``B`` rows:
         the buffers hold every tensor the graph reads; ``inputs`` packs ``root``, ``dep``, ``caps`` and ``cal``
         (one copy a call)."""
@@ -321,16 +320,14 @@ class HeadDrafter:
                 bufs["tree"].copy_(self._search(bufs["h"], bufs["root"], bufs["dep"], bufs["caps"], bufs["cal"],
                                                 self.depth, self.top_k))
 
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            self._graphs[B] = (capture_graph(run, self.device, self._pool), bufs)
+            self._graphs[B] = (capture_graph(run, self.device, self._graph_pool()), bufs)
         return self._graphs[B]
 
     def _replay(self, h, root, dep: list, caps: torch.Tensor, cal: torch.Tensor) -> torch.Tensor:
         """:meth:`_search`'s trees ``[n, slots, PACKED_FIELDS]`` (a view of the bucket's buffer) through the
         graph of the bucket holding the ``n`` rows of ``h``; padding rows draft nothing."""
         n = h.shape[0]
-        graph, bufs = self._graph(bucket(n, BUCKETS))
+        graph, bufs = self._step_graph(bucket(n, self.buckets))
         B = bufs["h"].shape[0]
         pad = lambda x: torch.cat([x, x.new_zeros(B - n)])  # noqa: E731
         host, _ = pack([torch.zeros(B, dtype=torch.long), pad(torch.tensor(dep)), pad(caps), cal],
@@ -340,17 +337,3 @@ class HeadDrafter:
         bufs["h"][:n].copy_(h)
         graph.replay()
         return bufs["tree"][:n]
-
-    def capture_graphs(self, max_batch: int) -> int:
-        """Capture the graph of every batch bucket up to the one holding ``max_batch`` rows now (engine start)
-        instead of at each bucket's first use inside a step. Returns the buckets captured (0: eager)."""
-        if not self.cuda_graphs:
-            return 0
-        top = bucket(max_batch, BUCKETS)
-        try:
-            for b in BUCKETS[: BUCKETS.index(top) + 1]:
-                self._graph(b)
-        except RuntimeError as e:
-            self.cuda_graphs, self.graph_error = False, graph_refused(e, "the heads' searches")
-            return 0
-        return len(self._graphs)

@@ -17,7 +17,7 @@ Per request (``key``: the engine's request id) the drafter keeps the tokens whos
    (:func:`~vllm_bole.spec_decode.best_first.level_search_packed`, one Triton launch on CUDA; on the
    host it cost 0.6 ms at one request and ~6 ms at 128 on the H200's host), so only the trees cross
    to the host. On CUDA the
-   whole step replays one CUDA graph, captured per batch bucket (:data:`BUCKETS`) in the engine's
+   whole step replays one CUDA graph, captured per batch bucket (:data:`~vllm_bole.spec_decode.step_graphs.BUCKETS`) in the engine's
    warm-up (on the H200 a catch-up through transformers' eager modules took ~6 ms of host time per
    step).
 
@@ -58,7 +58,7 @@ from vllm_bole.spec_decode.best_first import (PACKED_FIELDS, SEARCH_WIDTH, Slots
 from vllm_bole.spec_decode.candidates import Candidates
 from vllm_bole.spec_decode.draft_model import hidden_fla
 from vllm_bole.spec_decode.paged_decoder import PagedDecoder
-from vllm_bole.spec_decode.step_graphs import BUCKETS, bucket, capture_graph, graph_refused
+from vllm_bole.spec_decode.step_graphs import GraphedStep, bucket, capture_graph
 from vllm_bole.spec_decode.tree import MAX_DEPTH, MAX_NODES
 from vllm_bole.spec_decode.vocab_topk import vocab_topk
 from vllm_bole.transfer import SideStream, download_async, pack, unpack, upload
@@ -205,7 +205,7 @@ def paged_support(cfg) -> str | None:
     return None
 
 
-class PagedDraftModel:
+class PagedDraftModel(GraphedStep):
     """A :class:`~vllm_bole.spec_decode.candidates.Drafter` with per-request state (``keys``).
 
     ``max_len``: the longest history the engine can hand over (sizes the page tables); ``depth``:
@@ -251,16 +251,12 @@ class PagedDraftModel:
         shape = (num_pages, page_size, kv_heads, head)
         self.caches = [(torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device))
                        for _ in range(cfg.num_hidden_layers)]
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self.graph_error: str | None = None
-        self._graphs: dict = {}
-        self._pool = None
+        self._init_graphs(self.device, cuda_graphs)
         self._side = SideStream(self.device)  # the launches behind the current stream's work (:meth:`after`)
 
     @property
     def runtime(self) -> str:
-        graphs = "CUDA graphs" if self.cuda_graphs else f"eager{f': {self.graph_error}' if self.graph_error else ''}"
-        return f"paged ({self.pool.num_pages} pages of {self.pool.page_size}, steps {graphs})"
+        return f"paged ({self.pool.num_pages} pages of {self.pool.page_size}, steps {self.graphs_runtime})"
 
     @staticmethod
     def bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -396,26 +392,10 @@ class PagedDraftModel:
             dev, steps = self.device, self.depth - 1
             bufs = self._buffers(B, steps, search=self.device_search)
 
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = capture_graph(lambda: self._step(bufs, steps, self.width * self.pool.page_size), dev, self._pool)
+            graph = capture_graph(lambda: self._step(bufs, steps, self.width * self.pool.page_size), dev,
+                                  self._graph_pool())
             self._graphs[B] = (graph, bufs)
         return self._graphs[B]
-
-    def capture_graphs(self, max_batch: int) -> int:
-        """Capture the step's graph of every batch bucket up to the one holding ``max_batch`` rows now
-        (engine start) instead of at each bucket's first use inside a step. Returns the buckets
-        captured (0: eager)."""
-        if not self.cuda_graphs:
-            return 0
-        top = bucket(max_batch, BUCKETS)
-        try:
-            for b in BUCKETS[: BUCKETS.index(top) + 1]:
-                self._step_graph(b)
-        except RuntimeError as e:
-            self._graphs_failed(e)
-            return 0
-        return len(self._graphs)
 
     def warm_up(self) -> int:
         """Run the eager prefill path (a prompt's or a catch-up's packed forwards, outside the step
@@ -435,10 +415,6 @@ class PagedDraftModel:
     def after(self, tensors) -> contextlib.AbstractContextManager:
         """Where a launch reading the device ``tensors`` (pending tokens) runs (:class:`SideStream`)."""
         return self._side.after(tensors)
-
-    def _graphs_failed(self, e: RuntimeError) -> None:
-        """A capture was refused (e.g. a kernel that syncs): eager steps from now on, said once."""
-        self.cuda_graphs, self.graph_error = False, graph_refused(e, "draft steps")
 
     # ------------------------------------------------------------------ the drafter
     def release(self, keys: Sequence) -> None:
@@ -656,9 +632,9 @@ class PagedDraftModel:
         """The step through the captured graphs (buckets of at most the largest one), results as
         :meth:`_live`'s."""
         out = []
-        for s in range(0, len(live), BUCKETS[-1]):
-            e = min(len(live), s + BUCKETS[-1])
-            graph, bufs = self._step_graph(bucket(e - s, BUCKETS))
+        for s in range(0, len(live), self.buckets[-1]):
+            e = min(len(live), s + self.buckets[-1])
+            graph, bufs = self._step_graph(bucket(e - s, self.buckets))
             part = search and {k: v if k == "cal" else v[s:e] for k, v in search.items()}
             self._fill(bufs, live[s:e], hists, L[s:e], start[s:e], table[s:e], part,
                        pending and (pending[0][s:e], pending[1][s:e]))

@@ -1,7 +1,7 @@
 """CUDA graphs of the drafters' fixed-shape steps (the paged draft model's step, the heads' search): the
-batch buckets they are captured for and the capture itself. A drafter keeps its graphs per bucket, with
-static buffers that hold every tensor the graph reads, and falls back to eager steps when a capture is
-refused."""
+batch buckets they are captured for, the capture itself and :class:`GraphedStep`, a drafter's graphs per
+bucket (with static buffers that hold every tensor the graph reads) and its fallback to eager steps when
+a capture is refused."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["BUCKETS", "bucket", "capture_graph", "graph_refused"]
+__all__ = ["BUCKETS", "GraphedStep", "bucket", "capture_graph", "graph_refused"]
 
 logger = logging.getLogger("vllm_bole")
 
@@ -44,3 +44,52 @@ def graph_refused(e: RuntimeError, what: str) -> str:
     why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     logger.warning("vllm-bole: %s run eagerly: CUDA graph capture failed (%s)", what, why)
     return why
+
+
+class GraphedStep:
+    """A drafter whose step replays a CUDA graph per batch bucket: ``_step_graph(B)`` (the subclass's) captures
+    bucket ``B``'s graph (:func:`capture_graph`, memory from :meth:`_graph_pool`) into ``_graphs[B]`` =
+    (graph, static buffers) on first use and returns it; :meth:`capture_graphs` captures them at engine
+    start; a refused capture (:meth:`_graphs_failed`) leaves every later step eager."""
+
+    buckets = BUCKETS  # the batch sizes captured
+    graphs_of = "draft steps"  # what runs eagerly after a refused capture (the warning)
+
+    def _init_graphs(self, device, cuda_graphs: bool) -> None:
+        self.cuda_graphs = bool(cuda_graphs) and torch.device(device).type == "cuda"
+        self.graph_error: str | None = None
+        self._graphs: dict = {}
+        self._pool = None
+
+    def _step_graph(self, B: int):
+        raise NotImplementedError
+
+    def _graph_pool(self):
+        """The memory pool every graph of this drafter captures into (they never run at once)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    @property
+    def graphs_runtime(self) -> str:
+        """"CUDA graphs", or "eager" with the refused capture's reason."""
+        return "CUDA graphs" if self.cuda_graphs else f"eager{f': {self.graph_error}' if self.graph_error else ''}"
+
+    def _graphs_failed(self, e: RuntimeError) -> None:
+        """A capture was refused (e.g. a kernel that syncs): eager steps from now on, said once."""
+        self.cuda_graphs, self.graph_error = False, graph_refused(e, self.graphs_of)
+
+    def capture_graphs(self, max_batch: int) -> int:
+        """Capture the step's graph of every batch bucket up to the one holding ``max_batch`` rows now
+        (engine start) instead of at each bucket's first use inside a step. Returns the buckets
+        captured (0: eager)."""
+        if not self.cuda_graphs:
+            return 0
+        top = bucket(max_batch, self.buckets)
+        try:
+            for b in self.buckets[: self.buckets.index(top) + 1]:
+                self._step_graph(b)
+        except RuntimeError as e:
+            self._graphs_failed(e)
+            return 0
+        return len(self._graphs)
