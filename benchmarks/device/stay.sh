@@ -3,7 +3,7 @@
 # sees an older commit; the history and its reasons follow below). The bundle is SIX parts of 36 MB since the 31st
 # session (the working tree is ~23.4 MB and a run carries at most 64 MiB with it: a 43 MB part left ~0.7 MB, and
 # three 16 MB weight pieces did not fit), the trained pair of 992f2cd is home (.pair/weights, 8 pieces: no
-# training). With less than ~1500 s of device time the short plan: the parts, `install unpack`, `envelope`, `gdnbench`.
+# training). With less than ~1300 s of device time the short plan: the parts, `install unpack`, `train`, the heads' matrix.
 #   1-6 carry .vllm-gpu/p00 (then p01 .. p05)                                          parts  (run 1 starts it)
 #   7   carry .pair/weights/pair.sha256 .pair/weights/pair.txz.00 .pair/weights/pair.txz.01              parts
 #   8   carry .pair/weights/pair.txz.02 .pair/weights/pair.txz.03                                        parts
@@ -11,17 +11,21 @@
 #  10   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                             parts
 #  11   carry .pair/cache                                                                              parts
 #  12   carry .pair/data .vllm-gpu/install.sh                                          install unpack (~90 s)
-#  13   envelope (~300-420 s: the GDN launcher's default for 16-bit trees of 33-64 nodes changed to fp32
-#       operands in one 64-row block since ad1f02e, `default_lowp`; its 280 s timeout cut it at 158 of 161 rows)
-#  14   gdnbench (~190 s: `gdn_tree.json` with that default; B = 32, N = 64 was 0.212 ms, 3.41x, at ad1f02e)
-#  15   TRAIN_MODELS="block mtp" train (~230 s: the heads up to 200 s each since the 30th session; at home
-#       train_pair.json becomes train_pair_heads.json)
-#  16   PARALLEL=1 E2E_SECONDS=420 TREE_GRAPHS=1 E2E_ONLY="ar/none bole_tree/block bole_tree/mtp" trees (~510 s)
+#  13   TRAIN_MODELS="block mtp" train (~230 s; at home train_pair.json becomes train_pair_heads.json)
+#  14   PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 E2E_ONLY="ar/none bole_tree/block bole_chain/block
+#       bole_tree/mtp" TARGETS_ONLY=1 matrix (~570 s: the heads' trees with their search on the device in one graph
+#       since bb33c08, the first time inside vLLM on a device: the engine's start line says "search on the device
+#       (CUDA graphs)" or why eager; issue 16's targets: the block tree's acceptance >= 1.3x its chain's at the same
+#       budget, its tokens/s >= the chain's at c = 1 and 32)
 #  then, as time allows: PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
-#  bole_tree/draft_model bole_tree/draft_model/async" matrix (the controller again, after any change to it; at
-#  ad1f02e 0.86-1.06x its best fixed budget, the async engine's budget 8 1.92x AR at c = 1);
-#  VLLM_BOLE_FLASH_PREFIX=1 TARGETS_ONLY=1 BUDGETS=16 E2E_ONLY="ar/none bole_tree/draft_model" targets; `kernels`
-#  (Mamba1, issue 19); treegraphs.
+#  bole_tree/draft_model bole_tree/draft_model/async" matrix (the host-work cuts of b1600f7; at ad1f02e the
+#  controller 0.86-1.06x its best fixed budget, the async engine's budget 8 1.92x AR at c = 1);
+#  VLLM_BOLE_FLASH_PREFIX=1 TARGETS_ONLY=1 BUDGETS=16 E2E_ONLY="ar/none bole_tree/draft_model" targets; treegraphs.
+# 2026-12-06 (32nd session, 516ffa5): an H100 at the first call; parts x11 (~35 s), `install unpack` (85 s), the
+# envelope beside `TRAIN_MODELS="block mtp" train` in one run (344 s: `(timeout 540 python3
+# benchmarks/device/check_kernels_envelope.py > $OUT/kernel_envelope.log 2>&1) & ... train; wait`; 161/161),
+# `gdnbench` (237 s), the heads' `trees` (507 s), `kernels` (129 s); then two fresh bare-torch starts (~40 s each) for
+# `python3 benchmarks/bench_heads_draft.py` (13 s, 21 s); given back with 284 s left.
 # 2026-12-06 (31st session, ad1f02e): an H100 at the first call; parts (the runs with 4 and 3 weight pieces were
 # refused, too large beside the working tree: carried again as 2 + 2 after `install`), `install unpack` (81 s, then
 # `unpack` 9 s), the matrix as planned (484 s), gdnbench (185 s, complete), the async matrix with E2E_SECONDS=420
