@@ -11,7 +11,8 @@
 #  10   carry .pair/weights/pair.txz.06 .pair/weights/pair.txz.07 .pair/tiny                             parts
 #  11   carry .pair/cache                                                                              parts
 #  12   carry .pair/data .vllm-gpu/install.sh                                          install unpack (~90 s)
-#  13   TRAIN_MODELS="block mtp" train (~230 s; at home train_pair.json becomes train_pair_heads.json)
+#  13   TRAIN_MODELS="block mtp" train headkeep (~240 s; at home train_pair.json becomes
+#       train_pair_heads.json and the heads' pieces go to .pair/heads: later stays carry them and skip this run)
 #  14   PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 E2E_ONLY="ar/none bole_tree/block bole_chain/block
 #       bole_tree/mtp" TARGETS_ONLY=1 matrix (~570 s: the heads' trees with their search on the device in one graph
 #       since bb33c08, the first time inside vLLM on a device: the engine's start line says "search on the device
@@ -323,7 +324,7 @@ stage_parts() {  # whatever this run carried: bundle parts to /tmp/ch, pair data
     cp .vllm-gpu/p0* /tmp/ch/ 2>/dev/null
     cp -r .pair/data/. /tmp/pd/ 2>/dev/null
     cp -r .pair/tiny/. /tmp/tiny/ 2>/dev/null
-    cp .pair/weights/pair.* /tmp/pw/ 2>/dev/null
+    cp .pair/weights/pair.* .pair/heads/heads.* /tmp/pw/ 2>/dev/null
     mkdir -p /tmp/gcp && cp .pair/cache/cache.* /tmp/gcp/ 2>/dev/null
     ls /tmp/ch /tmp/pd /tmp/tiny /tmp/pw /tmp/gcp
 }
@@ -360,8 +361,19 @@ stage_keep() {
     pack_pieces /tmp/pair pair 1 nemotron_h draft train_pair.json && send_pieces pair "${KEEP:-}"
 }
 
-stage_unpack() {  # the kept pair's pieces, all carried (`parts`), to /tmp/pair
+# The heads the same way (since the 32nd session: `train` with TRAIN_MODELS="block mtp" took ~230 s of every stay
+# that measured them): after that `train`, `stay.sh headkeep` sends the pieces (all, or KEEP's) of /tmp/pair/block,
+# /tmp/pair/mtp and their train_pair.json (as heads.json); home in .pair/heads (`mkdir -p .pair/heads && cp
+# /work/.device/*/heads.* .pair/heads/ && (cd .pair/heads && sha256sum -c heads.sha256)`); a later stay carries
+# them (`parts`) and `unpack` puts them beside the pair.
+stage_headkeep() {
+    cp /tmp/pair/train_pair.json /tmp/pair/heads.json && pack_pieces /tmp/pair heads 1 block mtp heads.json &&
+        send_pieces heads "${KEEP:-$(cd /tmp/heads_keep && ls heads.txz.* | sed 's/^heads\.txz\.//')}"
+}
+
+stage_unpack() {  # the kept pair's pieces, all carried (`parts`), to /tmp/pair; the kept heads' too when carried
     unpack_pieces /tmp/pw pair /tmp/pair || { echo "pieces missing or damaged"; return 1; }
+    if [ -f /tmp/pw/heads.sha256 ]; then unpack_pieces /tmp/pw heads /tmp/pair || echo "heads' pieces damaged"; fi
     ls /tmp/pair
 }
 
