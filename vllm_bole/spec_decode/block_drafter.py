@@ -180,7 +180,8 @@ class HeadDrafter(GraphedStep):
     search over :meth:`propose`'s candidates. Decision (H100, 516ffa5, ``e2e_throughput_heads.json``): the
     host path (candidates to the host, a synchronisation, the best-first search in numpy) made a heads' tree
     step at c = 1 ~1.7 ms longer than the paged draft model's, whose search already ran on the device; the
-    search launched op by op still took ~1.15 ms of host time at every batch (``heads_draft.json``, 4b5e8fe).
+    search launched op by op still took 1.15-1.9 ms at every batch (``heads_draft_4b5e8fe.json``, ``heads_draft.json``),
+    one graph replay 0.49-1.66 ms.
     ``depth``: the depth the runner drafts (capped at the head's), the graphs' fixed depth. The graphs' pool
     holds the largest captured bucket's logits, ``[B, depth, V]`` in the head's dtype (the eager search
     allocates them too)."""

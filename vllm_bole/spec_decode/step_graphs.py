@@ -72,7 +72,7 @@ class GraphedStep:
 
     @property
     def graphs_runtime(self) -> str:
-        """"CUDA graphs", or "eager" with the refused capture's reason."""
+        """The runtime line's part on graphs: "CUDA graphs", or "eager" with the refused capture's reason."""
         return "CUDA graphs" if self.cuda_graphs else f"eager{f': {self.graph_error}' if self.graph_error else ''}"
 
     def _graphs_failed(self, e: RuntimeError) -> None:
