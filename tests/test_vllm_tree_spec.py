@@ -443,7 +443,7 @@ def _check_host_timeline(log: list) -> None:
 
 @pytest.mark.parametrize("arch,drafter,budget,concurrency,graphs", [
     ("llama", "perturbed", BUDGET, 3, True), ("nemotron_h", "ngram", "auto", None, False),
-    ("qwen3_next", "draft_model", BUDGET, None, False)])
+    ("qwen3_next", "draft_model", BUDGET, None, False), ("nemotron_h", "mtp", "auto", 3, False)])
 def test_async_scheduling_leaves_outputs_unchanged(engines, models, arch, drafter, budget, concurrency, graphs,
                                                    tmp_path):
     """``async_scheduling: true``: vLLM's scheduler books every step before the last one's output is known
@@ -454,16 +454,20 @@ def test_async_scheduling_leaves_outputs_unchanged(engines, models, arch, drafte
     tree steps from the tree graphs, at most 3 requests in flight (prompts beside trees); NemotronH: n-gram
     drafts with the controller's ragged budgets (the booked drafts cut to smaller trees, or to none); Qwen3-Next
     (bf16, within the engine's noise; the target as its own drafter, through transformers, drafting at each
-    settle): logprobs asked for, so each tree step reads its results at once."""
+    settle): logprobs asked for, so each tree step reads its results at once. NemotronH with a random MTP head,
+    at most 3 requests in flight: the heads draft behind each verification, and after a step without trees at
+    the settle from that step's hidden states (kept by request: the batch changes in between)."""
     base = engines.run(arch, "base")["greedy"]
     bf16 = checkpoint_dtype(arch) != "float32"
     job = engine_run.generate_job(engines.prompts(arch), MAX_TOKENS, logprobs=logprobs_k(arch) if bf16 else None,
                                   tree_graphs=graphs, concurrency=concurrency)
     draft = (models[arch] if drafter == "draft_model" else _perturbed_copy(models[arch], tmp_path / "draft")
-             if drafter == "perturbed" else None)
+             if drafter == "perturbed" else _random_head(models[arch], drafter, tmp_path / drafter)
+             if drafter == "mtp" else None)
+    kind = "draft_model" if drafter in ("draft_model", "perturbed") else drafter
     r = engine_run.run_engine(models[arch], [job], env={"VLLM_BOLE_TREE_GRAPHS": "1"} if graphs else None,
-                              spec=spec_config("ngram" if draft is None else "draft_model", draft, budget=budget,
-                                               async_scheduling=True, **(AUTO_TREES if budget == "auto" else {})))
+                              spec=spec_config(kind, draft, budget=budget, async_scheduling=True,
+                                               **(AUTO_TREES if budget == "auto" else {})))
     ours = r["jobs"][0]
     _check_equal(arch, base if bf16 else dict(tokens=base["tokens"]), ours)
     st = ours["stats"]
@@ -477,6 +481,8 @@ def test_async_scheduling_leaves_outputs_unchanged(engines, models, arch, drafte
     if arch == "llama":
         assert st["chained_drafts"] == st["tree_steps"] and st["split_tree_steps"] >= 2
         assert st["graph_tree_steps"] >= st["tree_steps"] // 2
+    if drafter == "mtp":  # drafted at settles after steps without trees too
+        assert st["chained_drafts"] >= st["tree_steps"] // 2 and st["plain_drafts"] >= 1, st
 
 
 def test_async_switch_decodes_plainly(engines, models):
@@ -523,28 +529,33 @@ def test_async_rows_moved_after_the_settle_keep_their_sampling(engines, models):
     assert r["jobs"][1]["stats"]["tree_steps"] > 0
 
 
-@pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])
-def test_hidden_state_drafters_greedy_equal(engines, models, arch, kind, tmp_path):
-    """drafter 'block' / 'mtp' (``spec_decode.block_drafter``: heads on the target's last hidden state, the
-    target's LM head; random heads here): identical streams; every step after the prompt drafts from the
-    hidden states of the rows that emitted the roots (the trees' last accepted nodes, the plain requests'
-    last tokens)."""
+def _random_head(model, kind: str, path):
+    """A block or MTP head of depth DEPTH for the checkpoint at ``model``, random weights, saved at ``path``."""
     import json
 
     import torch
 
     from vllm_bole.spec_decode.block_drafter import BlockHead, MTPHead
 
-    cfg = json.loads((models[arch] / "config.json").read_text())
+    cfg = json.loads((model / "config.json").read_text())
     head = BlockHead(cfg["hidden_size"], DEPTH) if kind == "block" else MTPHead(cfg["hidden_size"], DEPTH, cfg["vocab_size"])
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn(p.shape, generator=g) / cfg["hidden_size"] ** 0.5)
-    head.save(str(tmp_path / kind))
+    head.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("arch,kind", [("nemotron_h", "block"), ("nemotron_h", "mtp"), ("llama", "block")])
+def test_hidden_state_drafters_greedy_equal(engines, models, arch, kind, tmp_path):
+    """drafter 'block' / 'mtp' (``spec_decode.block_drafter``: heads on the target's last hidden state, the
+    target's LM head; random heads here): identical streams; every step after the prompt drafts from the
+    hidden states of the rows that emitted the roots (the trees' last accepted nodes, the plain requests'
+    last tokens)."""
     base = engines.run(arch, "base")["greedy"]
     r = engine_run.run_engine(models[arch], [engine_run.generate_job(engines.prompts(arch), MAX_TOKENS)],
-                              spec=spec_config(kind, tmp_path / kind))
+                              spec=spec_config(kind, _random_head(models[arch], kind, tmp_path / kind)))
     ours = r["jobs"][0]
     _check_equal(arch, dict(tokens=base["tokens"]), ours)
     st = ours["stats"]
@@ -627,8 +638,6 @@ def test_adapter_checks_and_config_errors(models):
         (dict(drafter="ngram", num_speculative_tokens=4, plain_fallback="maybe"),
          "plain_fallback: Input should be a valid boolean"),
         (dict(drafter="ngram", num_speculative_tokens=4, draft_beam=2), "draft_beam: 2 needs drafter 'draft_model'"),
-        (dict(drafter="mtp", model="x", num_speculative_tokens=4, async_scheduling=True),
-         "async_scheduling: True needs drafter 'ngram' or 'draft_model'"),
         (dict(drafter="ngram", num_speculative_tokens=4, async_scheduling="yes"),
          "async_scheduling: Input should be a valid boolean"),
         (dict(drafter="draft_model", model="x", num_speculative_tokens=64, max_depth=64, draft_beam=5),

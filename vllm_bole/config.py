@@ -64,8 +64,9 @@ Fields (every other key is refused, with the list of allowed ones):
   the next step and processes the last one's output while the GPU runs a step); the tree runner then
   settles each step at the start of the next one (:meth:`~vllm_bole.adapter.runner.TreeRunnerMixin._bole_settle`);
   the scheduler books ``num_speculative_tokens`` drafts a request (KV slots, token budget), which the runner
-  cuts to its trees; logprobs make a step wait for its results; drafters ``ngram`` and ``draft_model`` only;
-  requests with structured output are refused. Opt-in until measured on a GPU.
+  cuts to its trees; logprobs make a step wait for its results; every drafter (the heads draft behind a tree
+  step's verification, and after a step without trees at the next settle from that step's hidden states, kept
+  by request); requests with structured output are refused. Opt-in until measured on a GPU.
 
 Errors name the field and its allowed values (:class:`ConfigError`).
 """
@@ -121,9 +122,6 @@ class TreeSpecConfig(BaseModel):
         if self.draft_beam * max(self.depth - 1, 1) > MAX_NODES:
             raise ValueError(f"draft_beam: {self.draft_beam} x (max_depth - 1 = {self.depth - 1}) must be at most "
                              f"{MAX_NODES}")
-        if self.async_scheduling and self.drafter in ("block", "mtp"):
-            raise ValueError(f"async_scheduling: True needs drafter 'ngram' or 'draft_model' (the heads draft from the "
-                             f"step's hidden rows, read before the next step; drafter is '{self.drafter}'); allowed: False")
         if isinstance(self.budget, int) and self.budget > self.num_speculative_tokens:
             raise ValueError(f"budget: {self.budget} must be 'auto' or an integer <= num_speculative_tokens "
                              f"({self.num_speculative_tokens})")

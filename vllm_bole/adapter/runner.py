@@ -182,6 +182,8 @@ class TreeRunnerMixin:
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_sample_hidden = None  # the step's sample hidden states while sample_tokens runs (the heads)
+        # async, the heads: a step without trees' sample hidden states and {req id: row}, drafted from at the settle
+        self._bole_async_hidden = None
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
@@ -487,11 +489,22 @@ class TreeRunnerMixin:
             self._bole_stats["settled_steps"] += 1
         self._bole_finish_unsettled()
         if self._bole_pending_draft is None and ib.num_reqs:
-            self._bole_propose(None)
+            self._bole_propose(self._bole_settle_hidden())
         self._bole_finish_draft()
         emptied = self._bole_trim_drafts(scheduler_output)
         self._bole_timed("settle_s", time.perf_counter() - t0)
         return emptied
+
+    def _bole_settle_hidden(self) -> torch.Tensor | None:
+        """Async scheduling, the heads: the last step's sample hidden states (a step without trees: a row per request,
+        :meth:`sample_tokens`) in this step's request order (a request that was not in it drafts nothing: it is
+        prefilling, row 0 stands in); None for the other drafters or without such a step."""
+        got, self._bole_async_hidden = self._bole_async_hidden, None
+        if got is None:
+            return None
+        hidden, rows = got
+        ib = self.input_batch
+        return hidden[upload(torch.tensor([rows.get(rid, 0) for rid in ib.req_ids[:ib.num_reqs]]), hidden.device)]
 
     def _bole_tree_rows(self, scheduler_output) -> list[bool]:
         """Per persistent-batch row: verified as a tree this step. The requests vLLM scheduled with drafts;
@@ -875,6 +888,10 @@ class TreeRunnerMixin:
             if hasattr(out, "async_copy_ready_event"):  # vLLM's async output: the grid's copy to the host is queued
                 self._bole_sampled = (out.sampled_token_ids_cpu, out.async_copy_ready_event,
                                       dict(self.input_batch.prev_req_id_to_index or {}), self._bole_booked)
+            if isinstance(self._bole_drafter, HeadDrafter) and state is not None and not self._bole_launched:
+                ib = self.input_batch
+                self._bole_async_hidden = (state.sample_hidden_states,
+                                           {rid: r for r, rid in enumerate(ib.req_ids[:ib.num_reqs])})
         elif state is not None and not self._bole_launched:
             self._bole_propose(state.sample_hidden_states)
         self._bole_launched = False
@@ -1069,11 +1086,14 @@ class TreeRunnerMixin:
         if n == 0:
             self._bole_drafts = self._bole_drafted = self._bole_pending_draft = None
             return
-        if isinstance(self._bole_drafter, HeadDrafter):  # a step without trees: one logits row per request
+        heads = isinstance(self._bole_drafter, HeadDrafter)
+        if heads and hidden is not None:  # a step without trees: one logits row per request
             self._bole_drafter.condition(hidden[rows if rows is not None else slice(0, n)])
         req_ids = list(ib.req_ids[:n])
         budget = self._bole_budget
-        speculate = budget is None or not cfg.plain_fallback or budget.speculate(req_ids)
+        # the heads without hidden states (async: the last step's were not kept) draft nothing
+        speculate = not (heads and hidden is None) and (budget is None or not cfg.plain_fallback
+                                                        or budget.speculate(req_ids))
         self._bole_metrics.set("vllm:bole_speculating", float(speculate))
         if not speculate:  # the next step decodes plainly (vLLM's own step): no drafts
             from vllm.v1.outputs import DraftTokenIds
