@@ -185,10 +185,13 @@ def engines(part: str, quick: bool, targets: bool = False) -> list[dict]:
     # the same draft under vLLM's async scheduling (AR's and vLLM's chain's default): the engine's booked drafts
     # ASYNC_BUDGET, its fixed budget and the controller within it, then the controller on every other cell, as the
     # synchronous engines (at temperature 1 the switch decodes plainly most steps, and a plain step of the
-    # synchronous engine took ~1.2 ms more than AR's at 192c57d: async scheduling is what AR's step has beyond ours)
-    trees.insert(6, dict(mode="bole_tree", drafter="draft_model", k=ASYNC_BUDGET, async_scheduling=True,
-                         cells=swept(sweep, (ASYNC_BUDGET, "auto")) + [c + ("auto", None) for c in full
-                                                                       if c not in sweep]))
+    # synchronous engine took ~1.2 ms more than AR's at 192c57d: async scheduling is what AR's step has beyond ours);
+    # the block heads likewise since they run under it (2026-12-06), their engine last of the trees
+    asynchronous = [dict(mode="bole_tree", drafter=d, k=ASYNC_BUDGET, async_scheduling=True,
+                         cells=swept(sweep, (ASYNC_BUDGET, "auto")) + [c + ("auto", None) for c in full if c not in sweep])
+                    for d in ("draft_model", "block")]
+    trees.insert(6, asynchronous[0])
+    trees.append(asynchronous[1])
     chains = [dict(mode="vllm_chain", drafter=d, k=k, cells=[c + (None, None) for c in full])
               for d in ("draft_model", "ngram") for k in CHAIN_K]
     chains += [dict(mode="bole_chain", drafter=d, k=None,
