@@ -14,10 +14,11 @@
 #  13   TRAIN_MODELS="block mtp" train headkeep (~240 s; at home train_pair.json becomes
 #       train_pair_heads.json and the heads' pieces go to .pair/heads: later stays carry them and skip this run)
 #  14   PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 E2E_ONLY="ar/none bole_tree/block bole_chain/block
-#       bole_tree/mtp" TARGETS_ONLY=1 matrix (~570 s: the heads' trees with their search on the device in one graph
-#       since bb33c08, the first time inside vLLM on a device: the engine's start line says "search on the device
-#       (CUDA graphs)" or why eager; issue 16's targets: the block tree's acceptance >= 1.3x its chain's at the same
-#       budget, its tokens/s >= the chain's at c = 1 and 32)
+#       bole_tree/block/async bole_tree/mtp" TARGETS_ONLY=1 matrix (~570 s: the heads' trees with their search on the
+#       device in one graph since bb33c08, the first time inside vLLM on a device: the engine's start line says
+#       "search on the device (CUDA graphs)" or why eager; under async scheduling too, no longer refused since bce7131,
+#       CPU-tested only; issue 16's targets: the block tree's acceptance >= 1.3x its chain's at the same budget, its
+#       tokens/s >= the chain's at c = 1 and 32)
 #  then, as time allows: PARALLEL=1 E2E_SECONDS=480 TREE_GRAPHS=1 BUDGETS=8,16 CHAIN_K=3 E2E_ONLY="ar/none
 #  bole_tree/draft_model bole_tree/draft_model/async" matrix (the host-work cuts of b1600f7; at ad1f02e the
 #  controller 0.86-1.06x its best fixed budget, the async engine's budget 8 1.92x AR at c = 1);
