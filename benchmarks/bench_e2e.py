@@ -32,8 +32,9 @@ drafter first, n-grams, its MTP drafter, then its draft model; the heads when th
 ``pair/block``, ``pair/mtp``) sweeps the node
 budget in place (``bole_set_budget``; the same engine, so the same graphs and caches) over
 ``BUDGETS`` and ``budget: "auto"`` (the budget controller) cell by cell on the sweep cells (MT-Bench
-and HumanEval, greedy; each budget on half the cell's requests in order, then on the other half in reverse,
-merged into one row with ``halves`` and each half's ``tokens_per_s_runs``: ``swept``), then runs ``"auto"`` on
+and HumanEval, greedy; the cell's requests in ``SWEEP_PARTS`` parts, each budget on the first part in order, then
+on the next in reverse, forth and back, merged into one row with ``parts`` and each part's ``tokens_per_s_runs``:
+``swept``), then runs ``"auto"`` on
 every other cell. Order is by importance and every engine checks a deadline, so a
 run cut short still writes what it measured; unmeasured cells are absent.
 
@@ -86,6 +87,7 @@ from vllm_bole.testing import engine_run  # noqa: E402
 
 STORE = Path("/tmp/bole_bench")
 MAX_TOKENS, REQUESTS_MIN, WAVES, WARM_TOKENS = 128, 16, 4, 16
+SWEEP_PARTS = 4  # a swept cell's requests in this many parts, the budgets forth and back over them (:func:`swept`)
 CONCURRENCY = (1, 8, 32, 128)
 DATASETS = ("mt_bench", "humaneval", "sharegpt")
 TEMPERATURES = (0.0, 1.0)
@@ -111,19 +113,19 @@ def prompts_for(prompts: dict, dataset: str, n: int) -> list[list[int]]:
     return [ps[i % len(ps)] for i in range(n)]
 
 
-def job(prompts, dataset, temperature, conc, deadline, budget=None, half=None) -> list[dict]:
+def job(prompts, dataset, temperature, conc, deadline, budget=None, part=None) -> list[dict]:
     """The cell's timed job, after an untimed one of the same cell with ``WARM_TOKENS`` tokens: the Triton
     kernels of the cell's shapes are compiled and autotuned (keyed by size classes) before the timing (seen
-    on the H200: fixed budgets' tokens/s jumping 2-3x between neighbouring cells). ``half`` 0 / 1: the first
-    or second half of the cell's requests (:func:`swept`; the second without the untimed job)."""
+    on the H200: fixed budgets' tokens/s jumping 2-3x between neighbouring cells). ``part`` 0 .. SWEEP_PARTS - 1:
+    that part of the cell's requests (:func:`swept`; the untimed job before the first only)."""
     n = max(WAVES * conc, REQUESTS_MIN)
     ps = prompts_for(prompts, dataset, n)
-    ps = ps if half is None else ps[: n // 2] if half == 0 else ps[n // 2:]
+    ps = ps if part is None else ps[part * n // SWEEP_PARTS: (part + 1) * n // SWEEP_PARTS]
     sampling = dict(temperature=temperature, seed=None) if temperature else {}
     out = []
     for tokens, cell in ((WARM_TOKENS, None), (MAX_TOKENS, dict(dataset=dataset, temperature=temperature,
-                                                                  batch=conc, budget=budget, half=half))):
-        if cell is None and half == 1:
+                                                                  batch=conc, budget=budget, part=part))):
+        if cell is None and part:
             continue
         j = engine_run.generate_job(ps, tokens, sampling=sampling, budget=budget, concurrency=conc)
         out.append(dict(j, deadline=deadline, cell=cell))
@@ -201,12 +203,15 @@ def engines(part: str, quick: bool, targets: bool = False) -> list[dict]:
 
 
 def swept(sweep: list[tuple], budgets: tuple) -> list[tuple]:
-    """A swept cell's budgets, each on half its requests in the order given, then each on the other half in
-    the reverse order (``(dataset, temperature, concurrency, budget, half)``): in one engine the cells run one
-    after another, and a drift of the engine's speed through the group (H100, a44eb73: vLLM's own input
-    preparation 0.63 -> 0.85 ms a step from the budget-8 cell to the controller's, always the group's last)
-    then weighs on every budget alike (the halves merged: ``merge_runs``)."""
-    return [c + (b, h) for c in sweep for h, order in enumerate((budgets, budgets[::-1])) for b in order]
+    """A swept cell's budgets, each on the first of its ``SWEEP_PARTS`` parts of requests in the order given, then
+    each on the next part in the reverse order, forth and back (``(dataset, temperature, concurrency, budget,
+    part)``): in one engine the cells run one after another, and a drift of the engine's speed through the group
+    (H100, a44eb73: vLLM's own input preparation 0.63 -> 0.85 ms a step from the budget-8 cell to the controller's,
+    always the group's last) then weighs on every budget alike (the parts merged: ``merge_runs``). Four parts since
+    2026-12-06 (two before): at ad1f02e the cells still moved with the host at the level of the controller's gaps
+    (vLLM's own preparation 0.93 against 0.66 ms a step in two cells of one group); each part holds at least one
+    wave of the concurrency (a cell has ``WAVES`` x concurrency requests or more)."""
+    return [c + (b, p) for c in sweep for p in range(SWEEP_PARTS) for b in (budgets if p % 2 == 0 else budgets[::-1])]
 
 
 def row_of(eng: dict, cell: dict, res: dict) -> dict:
@@ -219,8 +224,8 @@ def row_of(eng: dict, cell: dict, res: dict) -> dict:
                batch=conc, dataset=cell["dataset"], temperature=cell["temperature"],
                tokens_per_s=toks / res["generate_s"], tpot_ms=1000 * float(np.mean(tpot)) if tpot else None,
                requests=len(res["tokens"]), tokens=toks, seconds=res["generate_s"])
-    if cell.get("half") is not None:
-        row["half"] = cell["half"]
+    if cell.get("part") is not None:
+        row["part"] = cell["part"]
     if not cell["temperature"]:  # greedy: each request's output, for the comparison with AR (same_as_ar)
         row["digests"] = [hashlib.sha1(str(list(t)).encode()).hexdigest()[:10] for t in res["tokens"]]
     st, cn = res.get("stats"), res.get("counters") or {}
@@ -392,16 +397,16 @@ def run_engine(eng: dict, args, prompts: dict, deadline: float, gate=None) -> li
 def merge_runs(rows: list[dict]) -> list[dict]:
     """One row per cell: a cell timed twice (AR's two passes) becomes the first run's row with the mean
     ``tokens_per_s`` and ``tpot_ms``, each run's in ``tokens_per_s_runs`` / ``tpot_ms_runs``, and
-    ``run_spread`` (max - min over the mean of ``tokens_per_s``); a cell run in halves (:func:`swept`) becomes
-    one row over both (:func:`merge_halves`)."""
+    ``run_spread`` (max - min over the mean of ``tokens_per_s``); a cell run in parts (:func:`swept`) becomes
+    one row over them (:func:`merge_parts`)."""
     by: dict = {}
     for r in rows:
         by.setdefault(_cell_id(r) if "dataset" in r else id(r), []).append(r)
     out = []
     for group in by.values():
         row = dict(group[0])
-        if "half" in row:
-            row = merge_halves(group)
+        if "part" in row:
+            row = merge_parts(group)
         elif len(group) > 1:
             tps = [g["tokens_per_s"] for g in group]
             tpot = [g["tpot_ms"] for g in group if g.get("tpot_ms") is not None]
@@ -536,25 +541,25 @@ def _header(args) -> dict:
                               prefix_caching=False, ignore_eos=True, parallel_start=args.parallel))
 
 
-# a half-run row's counts (summed over the halves); its other numbers are means per step, request or node
-HALF_SUMS = ("requests", "tokens", "seconds", "tree_steps", "graph_tree_steps", "split_tree_steps", "mixed_tree_steps",
+# a part-run row's counts (summed over the parts); its other numbers are means per step, request or node
+PART_SUMS = ("requests", "tokens", "seconds", "tree_steps", "graph_tree_steps", "split_tree_steps", "mixed_tree_steps",
              "split_piecewise_steps", "plain_full_steps", "plain_piecewise_steps", "plain_eager_steps", "chained_drafts",
              "plain_drafts", "drafted_nodes", "accepted", "plain_decode_steps")
 
 
-def merge_halves(group: list[dict]) -> dict:
-    """One row from a cell's halves (:func:`swept`): ``tokens_per_s`` over both (tokens over seconds), each half's
-    in ``tokens_per_s_runs``, requests' ``digests`` in order, :data:`HALF_SUMS` summed, every other number that
-    differs their mean (the halves have the same request count), lists and dicts (step kinds, spreads, the controller's model)
-    the first half's; ``halves``: how many ran (a deadline can cut the second)."""
-    group = sorted(group, key=lambda r: r["half"])
-    row = {k: v for k, v in group[0].items() if k != "half"}
+def merge_parts(group: list[dict]) -> dict:
+    """One row from a cell's parts (:func:`swept`): ``tokens_per_s`` over them (tokens over seconds), each part's
+    in ``tokens_per_s_runs``, requests' ``digests`` in order, :data:`PART_SUMS` summed, every other number that
+    differs their mean (the parts have the same request count), lists and dicts (step kinds, spreads, the controller's
+    model) the first part's; ``parts``: how many ran (a deadline can cut the last)."""
+    group = sorted(group, key=lambda r: r["part"])
+    row = {k: v for k, v in group[0].items() if k != "part"}
     for k in row:
         vals = [g.get(k) for g in group]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            row[k] = sum(vals) if k in HALF_SUMS else sum(vals) / len(vals) if len(set(vals)) > 1 else vals[0]
+            row[k] = sum(vals) if k in PART_SUMS else sum(vals) / len(vals) if len(set(vals)) > 1 else vals[0]
     row.update(tokens_per_s=row["tokens"] / row["seconds"], tokens_per_s_runs=[g["tokens_per_s"] for g in group],
-               halves=len(group))
+               parts=len(group))
     if all("digests" in g for g in group):
         row["digests"] = [d for g in group for d in g["digests"]]
     return row

@@ -59,9 +59,9 @@ def test_parallel_runs_one_engine_at_a_time_stage_by_stage(monkeypatch):
     args = SimpleNamespace(pair=Path("/nonexistent"), target="t", dtype="float32", eager=True, parallel=True,
                            tree_graphs=False)
     rows = bench_e2e.run_parallel(todo, args, prompts, deadline=time.time() + 60)
-    # one row a cell: AR's two runs merged, a swept cell's halves too
+    # one row a cell: AR's two runs merged, a swept cell's parts too
     assert [len(r) for r in rows] == [len({c[:4] for c in e["cells"]}) for e in todo]
-    assert all(r.get("halves") == 2 for r in rows[1] if r["budget"] != "auto" or r["dataset"] in
+    assert all(r.get("parts") == bench_e2e.SWEEP_PARTS for r in rows[1] if r["budget"] != "auto" or r["dataset"] in
                bench_e2e.SWEEP_DATASETS and r["temperature"] == 0.0)
     assert all(len(r["tokens_per_s_runs"]) == 2 and r["run_spread"] == 0.0 for r in rows[0])
     assert not any("tokens_per_s_runs" in r for r in rows[2]) and all("run_spread" not in r for r in rows[1])
@@ -87,26 +87,28 @@ def test_merge_runs_keeps_each_run_and_their_spread():
     assert abs(m["run_spread"] - 0.2) < 1e-12
 
 
-def test_swept_cells_run_in_halves_forth_and_back():
-    """A swept cell's budgets run on half its requests in order, then on the other half in reverse, so that the
-    engine's drift through the group weighs on each budget alike; the halves merge into one row over all the
-    cell's requests."""
-    assert bench_e2e.swept([("mt_bench", 0.0, 8)], (8, 16, "auto")) == [
-        ("mt_bench", 0.0, 8, b, h) for b, h in ((8, 0), (16, 0), ("auto", 0), ("auto", 1), (16, 1), (8, 1))]
-    jobs = [bench_e2e.job({"mt_bench": [[i] for i in range(20)]}, "mt_bench", 0.0, 8, 0.0, 16, h) for h in (0, 1)]
-    assert [len(j) for j in jobs] == [2, 1]  # the untimed job before the first half only
-    assert jobs[0][1]["prompts"] + jobs[1][0]["prompts"] == bench_e2e.prompts_for({"mt_bench": [[i] for i in range(20)]},
-                                                                               "mt_bench", 32)
+def test_swept_cells_run_in_parts_forth_and_back():
+    """A swept cell's budgets run on the first part of its requests in order, then on the next part in reverse,
+    forth and back over the four parts, so that the engine's drift through the group weighs on each budget alike;
+    the parts merge into one row over all the cell's requests."""
+    order = [(8, 0), (16, 0), ("auto", 0), ("auto", 1), (16, 1), (8, 1), (8, 2), (16, 2), ("auto", 2), ("auto", 3),
+             (16, 3), (8, 3)]
+    assert bench_e2e.swept([("mt_bench", 0.0, 8)], (8, 16, "auto")) == [("mt_bench", 0.0, 8, b, p) for b, p in order]
+    jobs = [bench_e2e.job({"mt_bench": [[i] for i in range(20)]}, "mt_bench", 0.0, 8, 0.0, 16, p) for p in range(4)]
+    assert [len(j) for j in jobs] == [2, 1, 1, 1]  # the untimed job before the first part only
+    assert [len(j[-1]["prompts"]) for j in jobs] == [8] * 4  # a wave of the concurrency each
+    assert [p for j in jobs for p in j[-1]["prompts"]] == bench_e2e.prompts_for(
+        {"mt_bench": [[i] for i in range(20)]}, "mt_bench", 32)
     cell = dict(mode="bole_tree", drafter="draft_model", draft_beam=0, budget=16, batch=8, dataset="mt_bench",
                 temperature=0.0, accept_len=3.0, tree_steps=10, steps_by_kind={"trees": 10})
-    halves = [dict(cell, half=1, tokens=2048, seconds=2.0, requests=16, tokens_per_s=1024.0, accept_len=4.0,
-                   tree_steps=12, digests=["c", "d"], steps_by_kind={"trees": 12}),
-              dict(cell, half=0, tokens=2048, seconds=1.0, requests=16, tokens_per_s=2048.0, digests=["a", "b"])]
-    (m,) = bench_e2e.merge_runs(halves)
-    assert (m["tokens_per_s"], m["tokens_per_s_runs"], m["halves"], m["digests"]) == (4096 / 3, [2048.0, 1024.0], 2,
+    parts = [dict(cell, part=1, tokens=2048, seconds=2.0, requests=16, tokens_per_s=1024.0, accept_len=4.0,
+                  tree_steps=12, digests=["c", "d"], steps_by_kind={"trees": 12}),
+             dict(cell, part=0, tokens=2048, seconds=1.0, requests=16, tokens_per_s=2048.0, digests=["a", "b"])]
+    (m,) = bench_e2e.merge_runs(parts)
+    assert (m["tokens_per_s"], m["tokens_per_s_runs"], m["parts"], m["digests"]) == (4096 / 3, [2048.0, 1024.0], 2,
                                                                                      ["a", "b", "c", "d"])
     assert (m["tokens"], m["seconds"], m["requests"], m["tree_steps"], m["accept_len"]) == (4096, 3.0, 32, 22, 3.5)
-    assert m["batch"] == 8 and isinstance(m["batch"], int) and m["steps_by_kind"] == {"trees": 10} and "half" not in m
+    assert m["batch"] == 8 and isinstance(m["batch"], int) and m["steps_by_kind"] == {"trees": 10} and "part" not in m
 
 
 def test_resume_runs_only_the_cells_not_yet_measured(monkeypatch, tmp_path):
