@@ -488,8 +488,9 @@ class TreeRunnerMixin:
             ib.sampled_token_ids_cpu = ib.async_copy_ready_event = None
             self._bole_stats["settled_steps"] += 1
         self._bole_finish_unsettled()
+        hidden = self._bole_settle_hidden()  # taken whatever follows: it is the last step's only
         if self._bole_pending_draft is None and ib.num_reqs:
-            self._bole_propose(self._bole_settle_hidden())
+            self._bole_propose(hidden)
         self._bole_finish_draft()
         emptied = self._bole_trim_drafts(scheduler_output)
         self._bole_timed("settle_s", time.perf_counter() - t0)
