@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import write_results  # noqa: E402
+from harness import same_trees, write_results  # noqa: E402
 
 from vllm_bole.spec_decode.best_first import best_first_tree  # noqa: E402
 from vllm_bole.spec_decode.draft_model import HFDraftModel  # noqa: E402
@@ -56,18 +56,6 @@ def build_draft(root: Path, dtype: torch.dtype) -> str:
     m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DRAFT)).to(dtype)
     m.save_pretrained(root)
     return str(root)
-
-
-def same_trees(xs, ys) -> float:
-    """The share of request trees (parents and tokens) equal between two drafters' steps (lists of TreeBatch)."""
-    same = total = 0
-    for x, y in zip(xs, ys):
-        cx, cy = x.cu_nodes.tolist(), y.cu_nodes.tolist()
-        for r in range(len(cx) - 1):
-            a, b = slice(cx[r], cx[r + 1]), slice(cy[r], cy[r + 1])
-            same += torch.equal(x.parent[a], y.parent[b]) and torch.equal(x.token_ids[a], y.token_ids[b])
-            total += 1
-    return round(same / max(total, 1), 4)
 
 
 def same_candidates(a, b, tol: float) -> bool:

@@ -98,3 +98,15 @@ def write_results(name: str, rows: list[dict], extra: dict | None = None) -> str
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
     return path
+
+
+def same_trees(xs, ys) -> float:
+    """The share of request trees (parents and tokens) equal between two drafters' steps (lists of TreeBatch)."""
+    same = total = 0
+    for x, y in zip(xs, ys):
+        cx, cy = x.cu_nodes.tolist(), y.cu_nodes.tolist()
+        for r in range(len(cx) - 1):
+            a, b = slice(cx[r], cx[r + 1]), slice(cy[r], cy[r + 1])
+            same += torch.equal(x.parent[a], y.parent[b]) and torch.equal(x.token_ids[a], y.token_ids[b])
+            total += 1
+    return round(same / max(total, 1), 4)

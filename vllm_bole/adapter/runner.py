@@ -182,8 +182,7 @@ class TreeRunnerMixin:
         self._bole_graphs = None  # TreeGraphs: tree steps replayed from CUDA graphs (adapter.tree_graphs)
         self._bole_hidden_rows = None  # block / MTP drafter: [num_reqs] rows of the step's sample hidden states
         self._bole_sample_hidden = None  # the step's sample hidden states while sample_tokens runs (the heads)
-        # async, the heads: a step without trees' sample hidden states and {req id: row}, drafted from at the settle
-        self._bole_async_hidden = None
+        self._bole_async_hidden = None  # async, the heads: a step without trees' sample hidden states (the settle's)
         self._bole_num_trees = 0  # this step's tree rows (the last rows of the batch after _may_reorder_batch)
         self._bole_installed = False
         self._bole_pending_slots: dict[str, dict[int, int]] = {}  # req -> {group: slot} with a stashed path
@@ -464,6 +463,7 @@ class TreeRunnerMixin:
         t0 = time.perf_counter()
         sampled, self._bole_sampled = self._bole_sampled, None
         ib = self.input_batch
+        rows = {}
         if sampled is not None:
             grid, event, rows, booked = sampled
             event.synchronize()
@@ -488,7 +488,7 @@ class TreeRunnerMixin:
             ib.sampled_token_ids_cpu = ib.async_copy_ready_event = None
             self._bole_stats["settled_steps"] += 1
         self._bole_finish_unsettled()
-        hidden = self._bole_settle_hidden()  # taken whatever follows: it is the last step's only
+        hidden = self._bole_settle_hidden(rows)  # taken whatever follows: it is the last step's only
         if self._bole_pending_draft is None and ib.num_reqs:
             self._bole_propose(hidden)
         self._bole_finish_draft()
@@ -496,14 +496,14 @@ class TreeRunnerMixin:
         self._bole_timed("settle_s", time.perf_counter() - t0)
         return emptied
 
-    def _bole_settle_hidden(self) -> torch.Tensor | None:
+    def _bole_settle_hidden(self, rows: dict) -> torch.Tensor | None:
         """Async scheduling, the heads: the last step's sample hidden states (a step without trees: a row per request,
-        :meth:`sample_tokens`) in this step's request order (a request that was not in it drafts nothing: it is
-        prefilling, row 0 stands in); None for the other drafters or without such a step."""
-        got, self._bole_async_hidden = self._bole_async_hidden, None
-        if got is None:
+        :meth:`sample_tokens`) in this step's request order, ``rows`` {req id: its row in that step} (vLLM's
+        ``prev_req_id_to_index``; a request without one drafts nothing: it is prefilling, row 0 stands in); None for
+        the other drafters or without such a step."""
+        hidden, self._bole_async_hidden = self._bole_async_hidden, None
+        if hidden is None:
             return None
-        hidden, rows = got
         ib = self.input_batch
         return hidden[upload(torch.tensor([rows.get(rid, 0) for rid in ib.req_ids[:ib.num_reqs]]), hidden.device)]
 
@@ -890,9 +890,7 @@ class TreeRunnerMixin:
                 self._bole_sampled = (out.sampled_token_ids_cpu, out.async_copy_ready_event,
                                       dict(self.input_batch.prev_req_id_to_index or {}), self._bole_booked)
             if isinstance(self._bole_drafter, HeadDrafter) and state is not None and not self._bole_launched:
-                ib = self.input_batch
-                self._bole_async_hidden = (state.sample_hidden_states,
-                                           {rid: r for r, rid in enumerate(ib.req_ids[:ib.num_reqs])})
+                self._bole_async_hidden = state.sample_hidden_states  # its rows: the settle's (vLLM's mapping)
         elif state is not None and not self._bole_launched:
             self._bole_propose(state.sample_hidden_states)
         self._bole_launched = False

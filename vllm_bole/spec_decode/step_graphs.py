@@ -61,9 +61,6 @@ class GraphedStep:
         self._graphs: dict = {}
         self._pool = None
 
-    def _step_graph(self, B: int):
-        raise NotImplementedError
-
     def _graph_pool(self):
         """The memory pool every graph of this drafter captures into (they never run at once)."""
         if self._pool is None:
